@@ -1,0 +1,1 @@
+"""kvsim: a discrete-event simulator of vLLM KV-cache CPU offloading."""

@@ -1,0 +1,109 @@
+"""The ``kvsim`` command line.
+
+Exit codes: 0 success (including runs that record modelled crashes); 1 a failed
+expectation, a violated invariant or a simulator error (with its traceback:
+that is a kvsim bug); 2 bad input, reported as one line
+``kvsim: error: FILE:KEY: problem; allowed: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sim.check import evaluate, load_check_file, parse_check, summarize
+from sim.errors import InputError
+
+__all__ = ["main"]
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    batch, items = load_check_file(path, jsonl=args.jsonl)
+    results: list[Any] = []
+    failed = False
+    for i, item in enumerate(items):
+        source = f"{path}[{i}]" if batch else str(path)
+        try:
+            if isinstance(item, dict) and "__error__" in item:
+                raise InputError(source, "", item["__error__"])
+            sc = parse_check(item, source)
+        except InputError as exc:
+            if not batch:
+                raise
+            results.append({"error": str(exc)})
+            continue
+        if args.logic:
+            sc = sc.model_copy(update={"window_logic": args.logic})
+        outcomes, mismatches = evaluate(sc, source)
+        failed = failed or bool(mismatches)
+        result: Any = outcomes if len(outcomes) > 1 else next(iter(outcomes.values()))
+        results.append(result)
+        if not (args.json or args.jsonl):
+            name = sc.name or source
+            for logic, out in outcomes.items():
+                verdict = "MISMATCH" if logic in mismatches else (
+                    "ok" if logic in sc.expect else "(no expectation)")
+                print(f"{name} [{logic}] {summarize(out)}  {verdict}")
+                for d in mismatches.get(logic, []):
+                    print(f"    {d}")
+    if args.jsonl:
+        for r in results:
+            print(json.dumps(r))
+    elif args.json:
+        print(json.dumps(results if batch else results[0], indent=None if batch else 2))
+    return 1 if failed else 0
+
+
+def _cmd_regress(args: argparse.Namespace) -> int:
+    from sim.regress import format_table, run_library, write_junit
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise InputError(str(root), "", "not a directory", "a folder of check/1 TOML files")
+    results = run_library(root)
+    if not results:
+        raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
+    print(format_table(results, root))
+    if args.junit:
+        write_junit(results, Path(args.junit))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsim",
+        description="Simulator of vLLM's multi-group KV-cache CPU offloading (OLD 0.29 vs NEW 0.30).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="one request's lookup + allocation + load plan (check/1 file)")
+    p.add_argument("file", help="check/1 scenario: TOML, JSON object, JSON list (batch) or JSON Lines")
+    p.add_argument("--json", action="store_true", help="print outcomes as JSON")
+    p.add_argument("--jsonl", action="store_true", help="read and write JSON Lines (batch)")
+    p.add_argument("--logic", choices=["old", "new", "both"], help="override window_logic")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("regress", help="run the crash regression library")
+    p.add_argument("dir", nargs="?", default="scenarios/crash", help="folder of check/1 files")
+    p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report")
+    p.set_defaults(func=_cmd_regress)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvsim`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except InputError as exc:
+        print(f"kvsim: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

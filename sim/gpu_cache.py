@@ -1,0 +1,362 @@
+"""GPU KV block pool with prefix caching, and per-kind block allocation.
+
+What it models
+    vLLM's ``BlockPool`` (one pool shared by every KV cache group of a hybrid
+    model): block 0 is the shared *null* block that stands for positions a
+    window-type group does not retain; the other blocks sit in a free queue
+    in id order; ``get_new_blocks`` pops from the head of the queue (evicting
+    the prefix-cache entry of a block that still carried a hash); freed
+    blocks are appended at the tail, a request's blocks in reverse order so
+    that its tail is reused first; a cached block found by a prefix hit is
+    *touched* (taken out of the free queue while referenced).
+
+    Allocation for a new request with L locally computed tokens and E
+    external tokens (N = L + E) follows vLLM's three phases, each over all
+    groups in order (spec §5.1): (1) pad the block list with
+    ``skipped(N) // bs`` null blocks and keep the local-hit blocks after them;
+    (2) append fresh blocks up to ``cdiv(N, bs)`` for the external tokens when
+    the group retains any of them; (3) append fresh blocks up to the slots
+    the step needs (``cdiv(N + new tokens + lookahead, bs)``). Fresh blocks
+    carry no hash until they are committed.
+
+Simplifications
+    * The admission check counts the blocks the request still needs, without
+      vLLM's watermark or the cost of evicting cached blocks.
+    * A prefix hit is found per group with the kind's rule and the groups
+      are brought to a common boundary by a fixed point (vLLM's hybrid
+      coordinator does the same with attention-type specific steps); EAGLE's
+      dropped last block and partial-block hits are not modelled.
+
+Invariants
+    * a block is in the free queue exactly when its ref count is 0;
+    * the null block is never in the free queue and never freed;
+    * a hashed block is findable in the prefix cache until it is reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sim.layout import GroupKind, Layout, cdiv
+
+__all__ = ["Block", "BlockPool", "GpuKVCache", "GpuInvariantError", "NULL_BLOCK_ID"]
+
+NULL_BLOCK_ID = 0
+
+
+class GpuInvariantError(RuntimeError):
+    """A simulator bug: the GPU pool's bookkeeping is inconsistent."""
+
+
+class Block:
+    """One GPU KV block. ``block_hash`` is ``(hash, group)`` once committed."""
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: tuple[int, int] | None = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Free queue, prefix-cache map and reference counts of all GPU blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError("a GPU block pool needs at least 2 blocks (one is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.null_block.ref_cnt = 1  # pinned forever
+        #: head = next block handed out; ordered by id initially, then by free time
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._cached: dict[tuple[int, int], Block] = {}
+        #: blocks whose cached hash was dropped because they were reused
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by some request (the null block excluded)."""
+        return self.num_blocks - 1 - len(self._free)
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Pop ``n`` blocks from the head of the free queue (ref count 1, no hash)."""
+        if n > len(self._free):
+            raise GpuInvariantError(f"asked for {n} blocks with {len(self._free)} free")
+        out = []
+        free = self._free
+        for _ in range(n):
+            _, b = free.popitem(last=False)
+            if b.block_hash is not None:
+                if self._cached.get(b.block_hash) is b:
+                    del self._cached[b.block_hash]
+                b.block_hash = None
+                self.num_evicted += 1
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
+        for b in blocks:
+            if b.block_id == NULL_BLOCK_ID:
+                continue
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference of each block, in the given order; blocks reaching
+        0 go to the tail of the free queue (keeping their hash for reuse)."""
+        for b in blocks:
+            if b.block_id == NULL_BLOCK_ID:
+                continue
+            if b.ref_cnt <= 0:
+                raise GpuInvariantError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def commit(self, block: Block, block_hash: tuple[int, int]) -> None:
+        """Give a computed block its hash (it becomes a prefix-cache entry)."""
+        if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        if self.enable_caching and block_hash not in self._cached:
+            self._cached[block_hash] = block
+
+    def cached(self, block_hash: tuple[int, int]) -> Block | None:
+        """The cached block with this hash, if any."""
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def check_invariants(self) -> None:
+        """Raise :class:`GpuInvariantError` on inconsistent bookkeeping."""
+        for b in self.blocks[1:]:
+            if (b.ref_cnt == 0) != (b.block_id in self._free):
+                raise GpuInvariantError(f"{b} free-queue membership disagrees with its ref count")
+            if b.ref_cnt < 0:
+                raise GpuInvariantError(f"{b} has a negative ref count")
+        for h, b in self._cached.items():
+            if b.block_hash != h:
+                raise GpuInvariantError(f"prefix cache maps {h} to {b}")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Per-group block lists of one request after an allocation."""
+
+    blocks: tuple[list[Block], ...]
+    new_block_ids: tuple[tuple[int, ...], ...]
+
+
+class GpuKVCache:
+    """Per-group block tables over one shared :class:`BlockPool`.
+
+    Args:
+        layout: the KV cache groups.
+        num_blocks: size of the shared pool, the null block included.
+        enable_caching: GPU prefix caching on or off.
+    """
+
+    def __init__(self, layout: Layout, num_blocks: int, enable_caching: bool = True) -> None:
+        self.layout = layout
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, tuple[list[Block], ...]] = {}
+        self._bs = tuple(g.tokens_per_block for g in layout.groups)
+        self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
+
+    # -- retention ------------------------------------------------------------------
+
+    def retained_range(self, g: int, num_tokens: int) -> tuple[int, int]:
+        """Block index range ``[first, end)`` group ``g`` keeps real at boundary
+        ``num_tokens`` (spec §5.1 table)."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        end = cdiv(num_tokens, bs)
+        if spec.kind is GroupKind.MAMBA:
+            return (max(0, (num_tokens - 1) // bs), end)
+        return (spec.skipped_tokens(num_tokens) // bs, end)
+
+    def _block_hash(self, g: int, block_hashes: Sequence[int], i: int) -> tuple[int, int]:
+        return (block_hashes[(i + 1) * self._hpb[g] - 1], g)
+
+    # -- prefix cache hits -------------------------------------------------------------
+
+    def find_hit(self, block_hashes: Sequence[int], max_tokens: int) -> tuple[int, tuple[list[Block], ...]]:
+        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``.
+
+        Returns:
+            ``(L, blocks)`` with per-group hit lists of ``L // bs_g`` entries
+            (null where the kind does not need the block).
+        """
+        layout = self.layout
+        if not self.pool.enable_caching:
+            return 0, tuple([] for _ in layout.groups)
+        hit = max_tokens
+        changed = True
+        while changed and hit > 0:
+            changed = False
+            for g in layout.lookup_order:
+                h = self._group_hit(g, block_hashes, hit)
+                if h < hit:
+                    hit, changed = h, True
+        lists = tuple(self._hit_blocks(g, block_hashes, hit) for g in range(len(layout.groups)))
+        return hit, lists
+
+    def _group_hit(self, g: int, block_hashes: Sequence[int], max_tokens: int) -> int:
+        bs = self._bs[g]
+        n = max_tokens // bs
+        pool = self.pool
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.FULL:
+            i = 0
+            while i < n and pool.cached(self._block_hash(g, block_hashes, i)) is not None:
+                i += 1
+            return i * bs
+        if spec.kind is GroupKind.MAMBA:
+            for i in range(n - 1, -1, -1):
+                if pool.cached(self._block_hash(g, block_hashes, i)) is not None:
+                    return (i + 1) * bs
+            return 0
+        # sliding window / chunked local: rightmost run of the blocks the kind
+        # needs at the candidate boundary
+        for end in range(n, 0, -1):
+            first, _ = self.retained_range(g, end * bs)
+            if all(pool.cached(self._block_hash(g, block_hashes, i)) is not None
+                   for i in range(first, end)):
+                return end * bs
+        return 0
+
+    def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[Block]:
+        n = hit // self._bs[g]
+        first, _ = self.retained_range(g, hit)
+        if self.layout.groups[g].kind is GroupKind.FULL:
+            first = 0
+        out = [self.pool.null_block] * n
+        for i in range(first, n):
+            b = self.pool.cached(self._block_hash(g, block_hashes, i))
+            if b is None:
+                raise GpuInvariantError(f"hit block {i} of group {g} vanished")
+            out[i] = b
+        return out
+
+    # -- allocation ---------------------------------------------------------------------
+
+    def blocks_needed(self, local: Sequence[Sequence[Block]], local_tokens: int,
+                      external_tokens: int, num_slots: int) -> int:
+        """Fresh blocks a new request's allocation takes (plus cached hit blocks
+        it pulls out of the free queue)."""
+        total = 0
+        n_comp = local_tokens + external_tokens
+        for g in range(len(self.layout.groups)):
+            first, _ = self.retained_range(g, n_comp)
+            have = max(first, len(local[g]))
+            total += max(0, cdiv(max(num_slots, n_comp), self._bs[g]) - have)
+            total += sum(1 for b in local[g][first:] if b.ref_cnt == 0 and not b.is_null)
+        return total
+
+    def allocate_new(
+        self,
+        req_id: str,
+        local: Sequence[Sequence[Block]],
+        local_tokens: int,
+        external_tokens: int,
+        num_slots: int,
+    ) -> Allocation | None:
+        """First allocation of a request (vLLM ``allocate_slots`` for a new request).
+
+        Args:
+            req_id: request id.
+            local: per-group local-hit block lists (from :meth:`find_hit`).
+            local_tokens: L, locally computed tokens.
+            external_tokens: E, tokens to come from the connector.
+            num_slots: token slots needed after this step (>= L + E).
+
+        Returns:
+            The allocation, or None when the pool has too few free blocks.
+        """
+        if req_id in self.req_blocks:
+            raise GpuInvariantError(f"request {req_id} already has blocks")
+        if self.blocks_needed(local, local_tokens, external_tokens, num_slots) > self.pool.num_free:
+            return None
+        pool = self.pool
+        n_comp = local_tokens + external_tokens
+        ngroups = len(self.layout.groups)
+        lists: tuple[list[Block], ...] = tuple([] for _ in range(ngroups))
+        new_ids: list[list[int]] = [[] for _ in range(ngroups)]
+        # phase 1: local hits after the null padding, every group first
+        for g in range(ngroups):
+            skip = self.layout.groups[g].skipped_tokens(n_comp) // self._bs[g]
+            kept = list(local[g][skip:])
+            pool.touch(kept)
+            lists[g].extend([pool.null_block] * skip)
+            lists[g].extend(kept)
+        # phase 2: fresh blocks for the retained external tokens
+        if external_tokens:
+            for g in range(ngroups):
+                spec = self.layout.groups[g]
+                skipped = spec.skipped_tokens(n_comp)
+                if min(n_comp - skipped, external_tokens) <= 0:
+                    continue
+                fresh = pool.get_new_blocks(max(0, cdiv(n_comp, self._bs[g]) - len(lists[g])))
+                lists[g].extend(fresh)
+                new_ids[g].extend(b.block_id for b in fresh)
+        # phase 3: slots for the tokens this step computes
+        for g in range(ngroups):
+            want = cdiv(num_slots, self._bs[g]) - len(lists[g])
+            if want > 0:
+                fresh = pool.get_new_blocks(want)
+                lists[g].extend(fresh)
+                new_ids[g].extend(b.block_id for b in fresh)
+        self.req_blocks[req_id] = lists
+        return Allocation(lists, tuple(tuple(x) for x in new_ids))
+
+    def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Give every complete, real block below ``num_tokens`` its hash."""
+        lists = self.req_blocks[req_id]
+        pool = self.pool
+        for g, blocks in enumerate(lists):
+            n = min(num_tokens // self._bs[g], len(blocks), len(block_hashes) // self._hpb[g])
+            for i in range(n):
+                b = blocks[i]
+                if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
+                    pool.commit(b, self._block_hash(g, block_hashes, i))
+
+    def free(self, req_id: str) -> None:
+        """Release every block of a request, tail first."""
+        lists = self.req_blocks.pop(req_id)
+        for blocks in lists:
+            self.pool.free(reversed(blocks))
+
+    def seed_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Make the first ``num_tokens`` of a sequence a cached GPU prefix, as a
+        finished earlier request would leave it: the blocks each kind retains at
+        ``num_tokens`` are hashed, unreferenced and in the free queue."""
+        tmp = "__seed__"
+        empty: tuple[list[Block], ...] = tuple([] for _ in self.layout.groups)
+        alloc = self.allocate_new(tmp, empty, 0, 0, num_tokens)
+        if alloc is None:
+            raise GpuInvariantError("GPU pool too small to seed a prefix")
+        lists = self.req_blocks[tmp]
+        for g, blocks in enumerate(lists):
+            first, _ = self.retained_range(g, num_tokens)
+            if self.layout.groups[g].kind is GroupKind.FULL:
+                first = 0
+            for i in range(first, num_tokens // self._bs[g]):
+                self.pool.commit(blocks[i], self._block_hash(g, block_hashes, i))
+        self.free(tmp)
