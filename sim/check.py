@@ -33,7 +33,7 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -78,7 +78,8 @@ class Expectation(_Strict):
     external_tokens: int | None = Field(None, ge=0, description="tokens to load (not deferred)")
     deferred: bool | None = Field(None, description="the lookup answers 'ask again later'")
     load_async: bool | None = None
-    load_keys: list[tuple[int, int]] | None = Field(None, description="sorted [group, chunk] pairs")
+    load_keys: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = Field(
+        None, description="sorted [group, chunk] pairs")
     group_sizes: list[int] | None = None
     block_indices: list[int] | None = None
     crash: Literal["none", "missing_chunk", "chunk_not_ready", "assertion"] | None = None
