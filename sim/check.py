@@ -37,10 +37,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sim.connector import ModelledCrashError, OffloadingScheduler
+from sim.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
 from sim.cpu_cache import CpuChunkCache
 from sim.errors import InputError
-from sim.gpu_cache import GpuKVCache
+from sim.gpu_cache import Block, GpuKVCache
 from sim.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
 from sim.windows import profile
 
@@ -68,7 +68,8 @@ class CheckGroup(_Strict):
     tokens_per_block: int = Field(gt=0, description="GPU block size in tokens")
     window: int | None = Field(None, gt=0, description="sliding window in tokens (sliding_window)")
     attention_chunk: int | None = Field(None, gt=0, description="attention chunk in tokens (chunked_local)")
-    extra_retained_tokens: int = Field(0, ge=0, description="tokens kept left of the window (multi-module MTP)")
+    extra_retained_tokens: int = Field(
+        0, ge=0, description="tokens kept left of the window (multi-module MTP)")
     eagle: bool = Field(False, description="group holds EAGLE/MTP draft KV")
 
 
@@ -244,13 +245,55 @@ class _CheckRequest:
     num_prompt_tokens: int
 
 
-def run_check(sc: CheckScenario, logic: Logic, source: str = "<check>") -> dict[str, Any]:
-    """Execute the model for one logic and return the outcome (JSON-ready).
+@dataclass(slots=True)
+class CheckWorld:
+    """The model objects of one check scenario under one logic, before the decision."""
 
-    The outcome has ``external_tokens`` (None when deferred), ``load_async``,
-    ``load_keys`` (sorted [group, chunk]), ``group_sizes``, ``block_indices``,
-    ``crash`` (None or {kind, group, chunk, message}) and ``hazards``.
-    """
+    cpu: CpuChunkCache
+    gpu: GpuKVCache
+    sched: OffloadingScheduler
+    req: _CheckRequest
+    local_tokens: int
+    local_blocks: tuple[list[Block], ...]
+
+    def decide(self) -> dict[str, Any]:
+        """Lookup + allocation + load plan for the request; the outcome (JSON-ready)."""
+        sched, req, local_tokens = self.sched, self.req, self.local_tokens
+        sched.on_new_request(req)
+        match = sched.get_num_new_matched_tokens(req, local_tokens)
+        out: dict[str, Any] = {
+            "external_tokens": match.tokens, "load_async": False, "load_keys": [],
+            "group_sizes": [], "block_indices": [], "crash": None, "hazards": [],
+        }
+        ext = match.tokens
+        if not ext:
+            return out
+        alloc = self.gpu.allocate_new(req.req_id, self.local_blocks, local_tokens, ext,
+                                      local_tokens + ext)
+        if alloc is None:  # pragma: no cover - the pool is sized never to run out
+            raise RuntimeError("GPU pool exhausted in a check")
+        try:
+            plan = sched.update_state_after_alloc(req, alloc.blocks, ext)
+        except ModelledCrashError as exc:
+            out["crash"] = exc.crash.as_dict()
+            if exc.attempt is not None:
+                _fill_plan(out, exc.attempt)
+            return out
+        assert plan is not None
+        out["load_async"] = True
+        _fill_plan(out, plan)
+        return out
+
+
+def _fill_plan(out: dict[str, Any], plan: LoadPlan) -> None:
+    out["load_keys"] = sorted([g, j] for g, j in plan.chunks)
+    out["group_sizes"] = list(plan.group_sizes)
+    out["block_indices"] = list(plan.block_indices)
+    out["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk} for h in plan.hazards]
+
+
+def build_world(sc: CheckScenario, logic: Logic, source: str = "<check>") -> CheckWorld:
+    """Build the CPU chunk states, the GPU prefix and the scheduler of a scenario."""
     layout = sc.layout()
     states = expand_chunk_states(sc, source)
     cpu = CpuChunkCache(sc.cpu_capacity_chunks or max(100, len(states)))
@@ -278,38 +321,18 @@ def run_check(sc: CheckScenario, logic: Logic, source: str = "<check>") -> dict[
     found, local = gpu.find_hit(hashes, local_tokens)
     if found != local_tokens:  # pragma: no cover - seeding guarantees the hit
         raise RuntimeError(f"seeded local hit {local_tokens} found as {found}")
-
     req = _CheckRequest("check", hashes, sc.num_tokens, sc.num_tokens)
-    sched.on_new_request(req)
-    match = sched.get_num_new_matched_tokens(req, local_tokens)
-    out: dict[str, Any] = {
-        "external_tokens": match.tokens, "load_async": False, "load_keys": [],
-        "group_sizes": [], "block_indices": [], "crash": None, "hazards": [],
-    }
-    ext = match.tokens
-    if not ext:
-        return out
-    alloc = gpu.allocate_new(req.req_id, local, local_tokens, ext, local_tokens + ext)
-    if alloc is None:  # pragma: no cover - the pool is sized never to run out
-        raise RuntimeError("GPU pool exhausted in a check")
-    try:
-        plan = sched.update_state_after_alloc(req, alloc.blocks, ext)
-    except ModelledCrashError as exc:
-        out["crash"] = exc.crash.as_dict()
-        if exc.attempt is not None:
-            out["load_keys"] = sorted([g, j] for g, j in exc.attempt.chunks)
-            out["group_sizes"] = list(exc.attempt.group_sizes)
-            out["block_indices"] = list(exc.attempt.block_indices)
-            out["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk}
-                              for h in exc.attempt.hazards]
-        return out
-    assert plan is not None
-    out["load_async"] = True
-    out["load_keys"] = sorted([g, j] for g, j in plan.chunks)
-    out["group_sizes"] = list(plan.group_sizes)
-    out["block_indices"] = list(plan.block_indices)
-    out["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk} for h in plan.hazards]
-    return out
+    return CheckWorld(cpu, gpu, sched, req, local_tokens, local)
+
+
+def run_check(sc: CheckScenario, logic: Logic, source: str = "<check>") -> dict[str, Any]:
+    """Execute the model for one logic and return the outcome (JSON-ready).
+
+    The outcome has ``external_tokens`` (None when deferred), ``load_async``,
+    ``load_keys`` (sorted [group, chunk]), ``group_sizes``, ``block_indices``,
+    ``crash`` (None or {kind, group, chunk, message}) and ``hazards``.
+    """
+    return build_world(sc, logic, source).decide()
 
 
 def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from sim.layout import GroupKind, Layout, cdiv
 
-__all__ = ["Block", "BlockPool", "GpuKVCache", "GpuInvariantError", "NULL_BLOCK_ID"]
+__all__ = ["NULL_BLOCK_ID", "Block", "BlockPool", "GpuInvariantError", "GpuKVCache"]
 
 NULL_BLOCK_ID = 0
 

@@ -185,7 +185,7 @@ class Layout:
             self._validate_group(i, g)
 
     def _validate_group(self, i: int, g: GroupSpec) -> None:
-        key = f"groups[{i}]"
+        key = f"groups.{i}"
         if not isinstance(g.kind, GroupKind):
             raise LayoutError(f"{key}.kind", f"{g.kind!r}", ", ".join(k.value for k in GroupKind))
         bs = g.tokens_per_block

@@ -21,7 +21,7 @@ def build_case(seed: int) -> Case:
     bpc = rng.choice([1, 1, 2, 4])
     groups: list[dict[str, object]] = []
     pattern = rng.random()
-    if pattern < 0.75:
+    if pattern < 0.8:
         # a coarse sliding-window group whose chunk grid a finer group (a finer
         # window group, or a finer full-attention group) can cut: spec §6.5
         bs_c = tph * rng.choice([2, 4, 8])
@@ -63,7 +63,7 @@ def build_case(seed: int) -> Case:
     # near each group's edge, or random ones, are perturbed
     tpcs = [int(g["tokens_per_block"]) * bpc for g in groups]  # type: ignore[call-overload]
     boundary = min(tpcs) * rng.randint(1, max(1, num_tokens // min(tpcs)))
-    if pattern < 0.75 and tpcs[1] > min(tpcs) and rng.random() < 0.8:
+    if pattern < 0.8 and tpcs[1] > min(tpcs) and rng.random() < 0.8:
         # cut the coarse window group's grid: B = k*t + r*tpc_min, 0 < r*tpc_min < t
         t, f = tpcs[1], min(tpcs)
         k = rng.randint(0, max(0, (num_tokens - 1) // t - 1))
@@ -83,16 +83,16 @@ def build_case(seed: int) -> Case:
         states[str(gi)] = table
     window_groups = [gi for gi, g in enumerate(groups) if g["kind"] != "full"]
     targets = [rng.choice(window_groups) for _ in range(rng.choice([0, 1, 1, 2]))]
-    if pattern < 0.75 and rng.random() < 0.8:
+    if pattern < 0.8 and rng.random() < 0.95:
         targets.append(1)
     for n_target, gi in enumerate(targets):
         tpc = tpcs[gi]
         j = -(-boundary // tpc) - rng.choice([2, 2, 1, 3])
-        if gi == 1 and n_target == len(targets) - 1 and pattern < 0.75:
+        if gi == 1 and n_target == len(targets) - 1 and pattern < 0.8:
             # the chunk just left of the window OLD verifies (spec §6.5)
             j = -(-boundary // tpc) - -(-int(groups[1]["window"]) // tpc) - 1  # type: ignore[call-overload]
         if 0 <= j < num_tokens // tpc:
-            st = rng.choices(["missing", "pending", "loading"], [3, 1, 1])[0]
+            st = rng.choices(["missing", "pending", "loading"], [6, 1, 1])[0]
             states[str(gi)].pop(str(j), None)
             if st != "missing":
                 states[str(gi)][str(j)] = st

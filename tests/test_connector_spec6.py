@@ -89,7 +89,7 @@ def test_new_3904_missing_gives_zero(eagle):
 def test_new_3904_pending_or_loading_defers(left, reason, eagle):
     w, req = setup("new", 3904, left, eagle)
     m, plan = admit(w, req)
-    assert (m.tokens, m.load_async, m.defer_reason) == (None, False, reason)
+    assert (m.tokens, m.load_async, m.defer_reason, plan) == (None, False, reason, None)
 
 
 @pytest.mark.parametrize("eagle", [False, True])
@@ -137,7 +137,7 @@ KEYS = [(i, 0) for i in range(5)]
 
 
 def scan(profile, middle):
-    results = {k: LookupResult.HIT for k in KEYS}
+    results = dict.fromkeys(KEYS, LookupResult.HIT)
     results[KEYS[2]] = middle
     return profile.window_scan(results.__getitem__, KEYS, 2, 3 if profile is NEW else None)
 
