@@ -273,7 +273,7 @@ class CheckWorld:
         if alloc is None:  # pragma: no cover - the pool is sized never to run out
             raise RuntimeError("GPU pool exhausted in a check")
         try:
-            plan = sched.update_state_after_alloc(req, alloc.blocks, ext)
+            plan = sched.update_state_after_alloc(req, alloc.blocks, ext, alloc.null_prefix)
         except ModelledCrashError as exc:
             out["crash"] = exc.crash.as_dict()
             if exc.attempt is not None:

@@ -44,6 +44,7 @@ Invariants
 from __future__ import annotations
 
 import itertools
+from itertools import repeat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -256,7 +257,7 @@ class OffloadingScheduler:
             hpc = self._hpc[g]
             start = hpc * len(keys) + hpc - 1
             if start < len(hashes):
-                keys.extend([(h, g) for h in hashes[start::hpc]])
+                keys.extend(zip(hashes[start::hpc], repeat(g)))
 
     def keys_of(self, req_id: str, group: int) -> list[OffloadKey]:
         """The request's current key list of ``group`` (refreshed)."""
@@ -401,7 +402,11 @@ class OffloadingScheduler:
     # -- load plan (spec §5.2) -----------------------------------------------------------
 
     def update_state_after_alloc(
-        self, req: RequestLike, blocks: Sequence[Sequence[Block]], external_tokens: int
+        self,
+        req: RequestLike,
+        blocks: Sequence[Sequence[Block]],
+        external_tokens: int,
+        null_prefix: Sequence[int] | None = None,
     ) -> LoadPlan | None:
         """Build and start the load job after a successful GPU allocation.
 
@@ -409,6 +414,9 @@ class OffloadingScheduler:
             req: the request.
             blocks: the request's per-group block lists after allocation.
             external_tokens: E, the hit returned by the lookup (0: nothing to do).
+            null_prefix: optional per-group count of leading null blocks (known
+                to the allocator); lets the search skip them without changing
+                its result.
 
         Returns:
             The load plan, or None when ``external_tokens`` is 0.
@@ -436,7 +444,10 @@ class OffloadingScheduler:
                 self._crash("assertion", g, None,
                             f"group {g} has {len(blist)} GPU blocks, fewer than the {nb} the hit needs")
             first = nb
-            for i in range(prof.load_search_start(c, bs), nb):
+            search = prof.load_search_start(c, bs)
+            if null_prefix is not None and null_prefix[g] > search:
+                search = null_prefix[g]
+            for i in range(search, nb):
                 b = blist[i]
                 if b.block_id != NULL_BLOCK_ID and b.block_hash is None:
                     first = i

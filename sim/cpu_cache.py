@@ -345,7 +345,7 @@ class LruPolicy:
         """Move the READY ones of ``keys`` to the newest end, last key first."""
         idle = self._idle
         to_newest = idle.move_to_end
-        for key in reversed(keys):
+        for key in keys:
             if key in idle:
                 to_newest(key)
 

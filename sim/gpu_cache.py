@@ -162,6 +162,8 @@ class Allocation:
 
     blocks: tuple[list[Block], ...]
     new_block_ids: tuple[tuple[int, ...], ...]
+    #: per group, how many leading entries are the null block
+    null_prefix: tuple[int, ...]
 
 
 class GpuKVCache:
@@ -299,6 +301,7 @@ class GpuKVCache:
         ngroups = len(self.layout.groups)
         lists: tuple[list[Block], ...] = tuple([] for _ in range(ngroups))
         new_ids: list[list[int]] = [[] for _ in range(ngroups)]
+        nulls = [0] * ngroups
         # phase 1: local hits after the null padding, every group first
         for g in range(ngroups):
             skip = self.layout.groups[g].skipped_tokens(n_comp) // self._bs[g]
@@ -306,6 +309,7 @@ class GpuKVCache:
             pool.touch(kept)
             lists[g].extend([pool.null_block] * skip)
             lists[g].extend(kept)
+            nulls[g] = skip
         # phase 2: fresh blocks for the retained external tokens
         if external_tokens:
             for g in range(ngroups):
@@ -324,7 +328,7 @@ class GpuKVCache:
                 lists[g].extend(fresh)
                 new_ids[g].extend(b.block_id for b in fresh)
         self.req_blocks[req_id] = lists
-        return Allocation(lists, tuple(tuple(x) for x in new_ids))
+        return Allocation(lists, tuple(tuple(x) for x in new_ids), tuple(nulls))
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Give every complete, real block below ``num_tokens`` its hash."""
