@@ -44,9 +44,9 @@ Invariants
 from __future__ import annotations
 
 import itertools
-from itertools import repeat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Literal, Protocol
 
 from sim.cpu_cache import CacheAssertion, CpuChunkCache, LookupResult, OffloadKey

@@ -345,7 +345,7 @@ class LruPolicy:
         """Move the READY ones of ``keys`` to the newest end, last key first."""
         idle = self._idle
         to_newest = idle.move_to_end
-        for key in keys:
+        for key in reversed(keys):
             if key in idle:
                 to_newest(key)
 
@@ -976,7 +976,7 @@ class CpuChunkCache:
         slots = list(range(start, start + fresh))
         self._num_handed_out += fresh
         pop = self._free_list.pop
-        slots.extend(pop() for _ in range(n - fresh))
+        slots.extend(self._free_list.pop(0) for _ in range(n - fresh))
         return slots
 
     def _count_offers(
