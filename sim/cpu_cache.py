@@ -976,7 +976,7 @@ class CpuChunkCache:
         slots = list(range(start, start + fresh))
         self._num_handed_out += fresh
         pop = self._free_list.pop
-        slots.extend(self._free_list.pop(0) for _ in range(n - fresh))
+        slots.extend(pop() for _ in range(n - fresh))
         return slots
 
     def _count_offers(

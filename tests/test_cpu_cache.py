@@ -708,6 +708,7 @@ def test_arc_reset_forgets_ghosts_and_target() -> None:
 
 KEYS = [k(h, h % 2) for h in range(10)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=5, unique=True)
+nonempty_key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True)
 
 
 class LruCacheMachine(RuleBasedStateMachine):
@@ -724,12 +725,22 @@ class LruCacheMachine(RuleBasedStateMachine):
         self.recency: list[OffloadKey] = []  # ready keys, next victim first (LRU only)
         self.handed_out = 0
         self.free: list[int] = []
-        self.loads: list[list[OffloadKey]] = []
+        self.loads: list[list[OffloadKey]] = []  # load jobs in flight
+        self.jobs: list[list[OffloadKey]] = []  # store jobs prepared, maybe in flight
 
-    @initialize(capacity=st.integers(min_value=1, max_value=6))
-    def start(self, capacity: int) -> None:
+    @initialize(
+        capacity=st.integers(min_value=1, max_value=6),
+        prefill=st.lists(st.sampled_from(KEYS), unique=True, max_size=6),
+    )
+    def start(self, capacity: int, prefill: list[OffloadKey]) -> None:
+        # Start from a random set of READY chunks: hypothesis' swarm testing
+        # disables some rules per example, and an empty cache would make many
+        # examples vacuous.
         self.capacity = capacity
         self.cache = CpuChunkCache(capacity, self.policy)
+        if prefill:
+            self.prepare_store(prefill[:capacity])
+            self.complete_store_job(0, True)
 
     # -- model helpers
 
@@ -748,7 +759,7 @@ class LruCacheMachine(RuleBasedStateMachine):
 
     # -- rules
 
-    @rule(keys=key_lists)
+    @rule(keys=nonempty_key_lists)
     def prepare_store(self, keys: list[OffloadKey]) -> None:
         plan = self.cache.prepare_store(keys)
         to_store = [key for key in keys if key not in self.ref]
@@ -783,8 +794,15 @@ class LruCacheMachine(RuleBasedStateMachine):
             self.slots[key] = slot
             self.ref[key] = -1
         assert list(plan.slots) == expected_slots
+        if plan.keys:
+            self.jobs.append(list(plan.keys))
 
-    @rule(keys=key_lists, success=st.sampled_from([True, True, True, False]))
+    @precondition(lambda self: bool(self.jobs))
+    @rule(index=st.integers(min_value=0, max_value=50), success=st.sampled_from([True] * 5 + [False]))
+    def complete_store_job(self, index: int, success: bool) -> None:
+        self.complete_store(self.jobs.pop(index % len(self.jobs)), success)
+
+    @rule(keys=key_lists, success=st.booleans())
     def complete_store(self, keys: list[OffloadKey], success: bool) -> None:
         self.cache.complete_store(keys, success=success)
         for key in keys:
@@ -795,6 +813,12 @@ class LruCacheMachine(RuleBasedStateMachine):
             else:
                 del self.ref[key]
                 self.free.append(self.slots.pop(key))
+
+    @precondition(lambda self: 0 in self.ref.values())
+    @rule(data=st.data())
+    def prepare_load_ready(self, data: st.DataObject) -> None:
+        ready = sorted(key for key, ref in self.ref.items() if ref >= 0)
+        self.prepare_load(data.draw(st.lists(st.sampled_from(ready), unique=True, min_size=1, max_size=4)))
 
     @rule(keys=key_lists)
     def prepare_load(self, keys: list[OffloadKey]) -> None:
@@ -830,6 +854,12 @@ class LruCacheMachine(RuleBasedStateMachine):
             if self.ref[key] == 0:
                 self.recency.append(key)
 
+    @precondition(lambda self: bool(self.ref))
+    @rule(data=st.data())
+    def touch_present(self, data: st.DataObject) -> None:
+        present = sorted(self.ref)
+        self.touch(data.draw(st.lists(st.sampled_from(present), min_size=1, max_size=6)))
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=6))
     def touch(self, keys: list[OffloadKey]) -> None:
         self.cache.touch(keys)
@@ -838,8 +868,10 @@ class LruCacheMachine(RuleBasedStateMachine):
                 self.recency.remove(key)
                 self.recency.append(key)
 
-    @rule()
-    def reset(self) -> None:
+    @rule(roll=st.integers(min_value=0, max_value=9))
+    def reset(self, roll: int) -> None:
+        if roll != 0:  # keep resets rare, or the cache rarely fills up
+            return
         self.cache.reset()
         self.ref.clear()
         self.slots.clear()
@@ -847,6 +879,7 @@ class LruCacheMachine(RuleBasedStateMachine):
         self.free.clear()
         self.handed_out = 0
         self.loads.clear()
+        self.jobs.clear()
 
     # -- checks after every step
 
