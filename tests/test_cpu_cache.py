@@ -914,10 +914,6 @@ class ArcCacheMachine(LruCacheMachine):
 
     policy = EvictionPolicy.ARC
 
-    def choose_victims(self, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
-        ready = [key for key, ref in self.ref.items() if ref == 0 and key not in protected]
-        return ready if len(ready) >= need else None
-
     def check_victims(
         self, victims: Sequence[OffloadKey], need: int, protected: set[OffloadKey]
     ) -> None:
