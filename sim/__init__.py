@@ -1,1 +1,17 @@
 """kvsim: a discrete-event simulator of vLLM KV-cache CPU offloading."""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sim.results import load_results
+
+__all__ = ["load_results"]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy exports, so that ``import sim`` stays light."""
+    if name == "load_results":
+        from sim.results import load_results
+
+        return load_results
+    raise AttributeError(f"module 'sim' has no attribute {name!r}")

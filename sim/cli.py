@@ -74,6 +74,75 @@ def _cmd_regress(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+class _Override(argparse.Action):
+    """Collects ``--set``, ``--seed`` and ``--logic`` into one ordered list (rightmost wins)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, key: str | None = None,
+                 **kwargs: Any) -> None:
+        self.key = key
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        text = str(values) if self.key is None else f"{self.key}={values}"
+        items.append((option_string or "--set", text))
+        setattr(namespace, self.dest, items)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import traceback
+
+    from sim.results import RunWriter, execute, summary_table
+    from sim.scenario import load_run
+
+    spec = load_run(Path(args.scenario), args.overrides or [])
+    target = Path(args.out) if args.out else Path("results") / spec.name
+    writer = RunWriter(target, overwrite=args.overwrite)
+    quiet = args.quiet or not sys.stderr.isatty()
+    bar = None
+    if not quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=spec.expected_requests, unit="req", desc=spec.name, file=sys.stderr,
+                   dynamic_ncols=True)
+
+    def progress(finished: int, sim_time_s: float) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"sim {sim_time_s:.1f} s", refresh=False)
+            bar.update(finished - bar.n)
+
+    try:
+        outcome = execute(spec, writer, progress=progress, argv=sys.argv)
+    finally:
+        if bar is not None:
+            bar.close()
+    if outcome.status != "ok":
+        err = outcome.error
+        if err is not None:
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"kvsim: run failed; summary written to {outcome.folder}", file=sys.stderr)
+        return 1
+    print(summary_table(outcome.summary, outcome.folder))
+    if args.plots:
+        print("kvsim: --plots: plots are not available yet (sim.plots lands in a later version); skipped",
+              file=sys.stderr)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from sim.scenario import validate_file
+
+    code = 0
+    for name in args.files:
+        try:
+            print(f"{name}: ok ({validate_file(Path(name))})")
+        except InputError as exc:
+            print(f"kvsim: error: {exc}", file=sys.stderr)
+            code = 2
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsim",
@@ -91,6 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", default="scenarios/crash", help="folder of check/1 files")
     p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report")
     p.set_defaults(func=_cmd_regress)
+
+    p = sub.add_parser("run", help="run a scenario (run/1 file) and write results/<name>/")
+    p.add_argument("scenario", help="run/1 scenario TOML")
+    p.add_argument("--out", metavar="DIR", help="the run folder (default: results/<name>)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty run folder")
+    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
+                   help="override a scenario key (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable")
+    p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
+                   help="shorthand for --set seed=N")
+    p.add_argument("--logic", dest="overrides", action=_Override, key="window_logic", metavar="old|new",
+                   help="shorthand for --set window_logic=...")
+    p.add_argument("--plots", action="store_true", help="also write plots/*.png")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_run, overrides=[])
+
+    p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
+    p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")
+    p.set_defaults(func=_cmd_validate)
     return parser
 
 
