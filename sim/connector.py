@@ -162,6 +162,9 @@ class StorePlan:
     group_sizes: tuple[int, ...]
     block_indices: tuple[int, ...]
     evicted: tuple[OffloadKey, ...]
+    #: a finished request's store reads a block re-allocated this step: the
+    #: worker must wait for it before the forward pass (spec §7.6)
+    flush_now: bool = False
 
 
 @dataclass(slots=True)
@@ -169,7 +172,10 @@ class _Job:
     req_id: str
     keys: tuple[OffloadKey, ...]
     is_store: bool
+    #: window-group blocks, fenced from creation
     fenced: tuple[int, ...] = ()
+    #: full-attention blocks, fenced once the request has finished
+    deferred: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -182,6 +188,9 @@ class _ReqState:
     local_tokens: int = 0
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    #: every prompt chunk is past ``next_stored`` and only prompt KV is offloaded:
+    #: until the request finishes (or is looked up again) no store can be built
+    store_quiet: bool = False
 
 
 class OffloadingScheduler:
@@ -221,6 +230,8 @@ class OffloadingScheduler:
         self._job_ids = itertools.count()
         #: block id -> pending store jobs reading it (flush fences, spec §7.6)
         self.block_fences: dict[int, set[int]] = {}
+        #: ``prepare_store`` answered "no room" (the chunks are offered again later)
+        self.store_rejections = 0
         # hot-path tables
         self._groups: tuple[GroupSpec, ...] = layout.groups
         self._tpc = layout.tokens_per_chunk
@@ -251,6 +262,10 @@ class OffloadingScheduler:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
     def _refresh_keys(self, st: _ReqState) -> None:
         hashes = st.req.block_hashes
         for g, keys in enumerate(st.keys):
@@ -278,6 +293,7 @@ class OffloadingScheduler:
             The hit (None: ask again next step) and whether it loads asynchronously.
         """
         st = self._reqs[req.req_id]
+        st.store_quiet = False
         for ids in st.block_ids:
             ids.clear()
         if st.jobs:
@@ -493,6 +509,7 @@ class OffloadingScheduler:
         self._jobs[job_id] = _Job(req.req_id, tuple(keys_to_load), is_store=False)
         st.jobs.add(job_id)
         st.next_stored = next_stored
+        st.store_quiet = False
         if self.being_loaded is not None:
             self.being_loaded.update(keys_to_load)
         return LoadPlan(job_id, req.req_id, tuple(keys_to_load), tuple(chunks), slots,
@@ -520,6 +537,43 @@ class OffloadingScheduler:
             if ids[i] in block_ids:
                 ids[i] = NULL_BLOCK_ID
 
+    def _zero_range(self, st: _ReqState, g: int) -> range:
+        bpc = self.layout.blocks_per_chunk
+        end = len(st.block_ids[g])
+        if self.offload_prompt_only:
+            # entries past the prompt are never stored: zeroing them is unobservable
+            end = min(end, st.req.num_prompt_tokens // self._tpc[g] * bpc)
+        return range(st.next_stored[g] * bpc, end)
+
+    def zero_reallocated(self, allocated: set[int]) -> None:
+        """Every request: zero the not-yet-stored window-group entries whose
+        block was re-allocated this step (call before learning this step's
+        new block ids, spec §7.6)."""
+        if not allocated or not self._window_groups:
+            return
+        for st in self._reqs.values():
+            for g in self._window_groups:
+                if st.store_quiet:
+                    break
+                ids = st.block_ids[g]
+                for i in self._zero_range(st, g):
+                    if ids[i] in allocated:
+                        ids[i] = NULL_BLOCK_ID
+
+    def store_idle(self, req_id: str, tokens_after_step: int) -> bool:
+        """True when :meth:`build_store_job` would find nothing to offer for
+        this many tokens and no entry is pending a store (decode fast-forward)."""
+        st = self._reqs[req_id]
+        if st.store_quiet:
+            return True
+        tokens = self._offloadable(st, tokens_after_step)
+        for g in range(len(self._groups)):
+            if self._storable(st, g, tokens) > st.next_stored[g]:
+                return False
+            if g in self._window_groups and self._zero_range(st, g):
+                return False
+        return True
+
     def _storable(self, st: _ReqState, g: int, tokens: int) -> int:
         n = tokens // self._tpc[g]
         decoding = tokens > st.req.num_prompt_tokens
@@ -536,19 +590,24 @@ class OffloadingScheduler:
             n = min(n, st.req.num_prompt_tokens)
         return n
 
-    def build_store_job(self, req_id: str, tokens_after_step: int | None = None) -> StorePlan | None:
+    def build_store_job(self, req_id: str, tokens_after_step: int | None = None,
+                        allocated: set[int] | frozenset[int] = frozenset()) -> StorePlan | None:
         """Store job for one request this step (spec §7.1).
 
         Args:
             req_id: the request.
             tokens_after_step: tokens computed by the end of this step's forward
                 pass; None for a finished request (the profile decides how many).
+            allocated: block ids allocated this step; a finished request's
+                store reading one of them must be flushed (``flush_now``).
 
         Returns:
             The store plan, or None when nothing is stored (nothing new, all
             already on CPU, or no room: then the same chunks are offered next step).
         """
         st = self._reqs[req_id]
+        if st.store_quiet and tokens_after_step is not None:
+            return None
         req = st.req
         self._refresh_keys(st)
         if tokens_after_step is None:
@@ -576,12 +635,15 @@ class OffloadingScheduler:
                 offered.append(key)
         if not offered:
             self._advance(st, tokens)
+            self._check_quiet(st)
             return None
         plan = self.cpu.prepare_store(offered)
         if plan is None:
+            self.store_rejections += 1
             return None
         if not plan.keys:
             self._advance(st, tokens)
+            self._check_quiet(st)
             return None
         self._touch(st)
         accepted = set(plan.keys)
@@ -590,6 +652,7 @@ class OffloadingScheduler:
         firsts: list[int] = []
         chunks: list[tuple[int, int]] = []
         fenced: list[int] = []
+        deferred: list[int] = []
         for g, (start, n) in enumerate(ranges):
             ids = st.block_ids[g]
             count = 0
@@ -606,20 +669,28 @@ class OffloadingScheduler:
                         first = i
                     src.append(bid)
                     count += 1
-                    if self._w[g] is not None or st.finished:
+                    if self._w[g] is not None:
                         fenced.append(bid)
+                    else:
+                        deferred.append(bid)
             sizes.append(count)
             firsts.append(first or 0)
             st.next_stored[g] = max(st.next_stored[g], n)
+        self._check_quiet(st)
         job_id = next(self._job_ids)
         if st.jobs and not all(self._jobs[j].is_store for j in st.jobs):
             self._crash("assertion", None, None, "a store issued while a load is pending", "build_store_jobs")
         st.jobs.add(job_id)
-        self._jobs[job_id] = _Job(req_id, plan.keys, is_store=True, fenced=tuple(fenced))
+        self._jobs[job_id] = _Job(req_id, plan.keys, True, tuple(fenced), tuple(deferred))
         for bid in fenced:
             self.block_fences.setdefault(bid, set()).add(job_id)
+        flush_now = False
+        if st.finished:
+            for bid in deferred:
+                self.block_fences.setdefault(bid, set()).add(job_id)
+            flush_now = any(bid in allocated for bid in deferred)
         return StorePlan(job_id, req_id, plan.keys, tuple(chunks), plan.slots, tuple(src),
-                         tuple(sizes), tuple(firsts), plan.evicted)
+                         tuple(sizes), tuple(firsts), plan.evicted, flush_now)
 
     def _store_horizon(self, st: _ReqState, g: int, n: int, prompt_chunks: int) -> int | None:
         if self.eagle[g]:
@@ -627,6 +698,12 @@ class OffloadingScheduler:
         if st.finished:
             return n
         return prompt_chunks if n <= prompt_chunks else None
+
+    def _check_quiet(self, st: _ReqState) -> None:
+        if not self.offload_prompt_only or st.finished:
+            return
+        cap = self._offloadable(st, st.req.num_prompt_tokens)
+        st.store_quiet = all(n >= cap // t for n, t in zip(st.next_stored, self._tpc, strict=True))
 
     def _advance(self, st: _ReqState, tokens: int) -> None:
         for g in range(len(self._groups)):
@@ -654,11 +731,13 @@ class OffloadingScheduler:
         job = self._jobs.pop(job_id)
         if job.is_store:
             self.cpu.complete_store(job.keys)
-            for bid in job.fenced:
-                jobs = self.block_fences[bid]
-                jobs.discard(job_id)
-                if not jobs:
-                    del self.block_fences[bid]
+            fences = self.block_fences
+            for bid in (*job.fenced, *job.deferred):
+                jobs = fences.get(bid)
+                if jobs is not None:
+                    jobs.discard(job_id)
+                    if not jobs:
+                        del fences[bid]
         else:
             self.cpu.complete_load(job.keys)
             if self.being_loaded is not None:
@@ -676,10 +755,11 @@ class OffloadingScheduler:
         st = self._reqs[req_id]
         self._refresh_keys(st)
         st.finished = True
+        st.store_quiet = False
         for j in st.jobs:
             job = self._jobs[j]
             if job.is_store:
-                for bid in job.fenced:
+                for bid in job.deferred:
                     self.block_fences.setdefault(bid, set()).add(j)
 
     def drop_if_idle(self, req_id: str) -> None:

@@ -35,6 +35,7 @@ Invariants
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -93,6 +94,15 @@ class BlockPool:
     def num_used(self) -> int:
         """Blocks referenced by some request (the null block excluded)."""
         return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache."""
+        return len(self._cached)
+
+    def free_ids_head(self, n: int) -> list[int]:
+        """Ids of the next ``n`` blocks :meth:`get_new_blocks` would hand out."""
+        return list(itertools.islice(self._free, n))
 
     def get_new_blocks(self, n: int) -> list[Block]:
         """Pop ``n`` blocks from the head of the free queue (ref count 1, no hash)."""
@@ -179,6 +189,10 @@ class GpuKVCache:
         self.layout = layout
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, tuple[list[Block], ...]] = {}
+        #: per request and group: blocks below this index are committed or null
+        self._committed: dict[str, list[int]] = {}
+        #: per request and group: blocks below this index were replaced by null
+        self._skipped: dict[str, list[int]] = {}
         self._bs = tuple(g.tokens_per_block for g in layout.groups)
         self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
 
@@ -328,22 +342,131 @@ class GpuKVCache:
                 lists[g].extend(fresh)
                 new_ids[g].extend(b.block_id for b in fresh)
         self.req_blocks[req_id] = lists
+        self._committed[req_id] = [0] * ngroups
+        self._skipped[req_id] = list(nulls)
         return Allocation(lists, tuple(tuple(x) for x in new_ids), tuple(nulls))
 
-    def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
-        """Give every complete, real block below ``num_tokens`` its hash."""
+    def remove_skipped(self, req_id: str, num_computed: int) -> None:
+        """Free the blocks a window-type group no longer attends over once
+        ``num_computed`` tokens are computed (vLLM ``remove_skipped_blocks``):
+        they become null in the request's list and go to the free queue,
+        highest index first."""
         lists = self.req_blocks[req_id]
+        skipped = self._skipped[req_id]
+        groups = self.layout.groups
         pool = self.pool
+        null = pool.null_block
         for g, blocks in enumerate(lists):
-            n = min(num_tokens // self._bs[g], len(blocks), len(block_hashes) // self._hpb[g])
-            for i in range(n):
+            spec = groups[g]
+            if spec.kind is GroupKind.FULL:
+                continue
+            first = self.retained_range(g, num_computed)[0]
+            first = min(first, len(blocks))
+            done = skipped[g]
+            if first <= done:
+                continue
+            removed = []
+            for i in range(first - 1, done - 1, -1):
+                b = blocks[i]
+                if b.block_id != NULL_BLOCK_ID:
+                    removed.append(b)
+                    blocks[i] = null
+            skipped[g] = first
+            pool.free(removed)
+
+    def allocate_more(self, req_id: str, num_computed: int,
+                      num_slots: int) -> tuple[tuple[int, ...], ...] | None:
+        """Slots for a request that already holds blocks (vLLM ``allocate_slots``
+        for a running or promoted request): first free what the windows skip at
+        ``num_computed``, then append fresh blocks up to ``num_slots`` tokens.
+
+        Returns:
+            The new block ids per group, or None when the pool has too few free
+            blocks (the skipped blocks are freed all the same, as in vLLM).
+        """
+        self.remove_skipped(req_id, num_computed)
+        lists = self.req_blocks[req_id]
+        bs = self._bs
+        want = [cdiv(num_slots, bs[g]) - len(blocks) for g, blocks in enumerate(lists)]
+        if sum(w for w in want if w > 0) > self.pool.num_free:
+            return None
+        out: list[tuple[int, ...]] = []
+        for g, blocks in enumerate(lists):
+            w = want[g]
+            if w > 0:
+                fresh = self.pool.get_new_blocks(w)
+                blocks.extend(fresh)
+                out.append(tuple(b.block_id for b in fresh))
+            else:
+                out.append(())
+        return tuple(out)
+
+    def next_skip(self, g: int, skipped: int) -> int:
+        """Smallest computed-token count at which group ``g`` drops more than
+        ``skipped`` leading blocks (``retained_range`` inverted); a large number
+        for full attention."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        kind = spec.kind
+        if kind is GroupKind.SLIDING_WINDOW:
+            assert spec.window is not None
+            return (skipped + 1) * bs + spec.window - 1 + spec.extra_retained_tokens
+        if kind is GroupKind.CHUNKED_LOCAL:
+            assert spec.attention_chunk is not None
+            return cdiv((skipped + 1) * bs, spec.attention_chunk) * spec.attention_chunk
+        if kind is GroupKind.MAMBA:
+            return (skipped + 1) * bs + 1
+        return 1 << 62
+
+    def thresholds(self, req_id: str) -> tuple[int, int]:
+        """``(slots, computed)``: :meth:`allocate_more` and :meth:`commit` change
+        nothing while the slot count stays below ``slots`` and the computed count
+        below ``computed`` (lets a caller skip quiet decode steps)."""
+        lists = self.req_blocks[req_id]
+        done = self._committed[req_id]
+        skipped = self._skipped[req_id]
+        caching = self.pool.enable_caching
+        slots = comp = 1 << 62
+        for g, blocks in enumerate(lists):
+            bs = self._bs[g]
+            t = len(blocks) * bs + 1
+            if caching:
+                t = min(t, (done[g] + 1) * bs)
+            slots = min(slots, t)
+            if self.layout.groups[g].kind is not GroupKind.FULL:
+                comp = min(comp, self.next_skip(g, skipped[g]))
+        return slots, comp
+
+    def skipped_blocks(self, req_id: str) -> list[int]:
+        """Per group, how many leading blocks of the request are null (skipped)."""
+        return self._skipped[req_id]
+
+    def num_blocks_to_allocate(self, req_id: str, num_slots: int) -> int:
+        """Fresh blocks :meth:`allocate_more` would take for ``num_slots`` tokens."""
+        lists = self.req_blocks[req_id]
+        return sum(max(0, cdiv(num_slots, self._bs[g]) - len(b)) for g, b in enumerate(lists))
+
+    def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Give every complete, real block below ``num_tokens`` its hash
+        (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
+        lists = self.req_blocks[req_id]
+        done = self._committed[req_id]
+        pool = self.pool
+        nh = len(block_hashes)
+        for g, blocks in enumerate(lists):
+            hpb = self._hpb[g]
+            n = min(num_tokens // self._bs[g], len(blocks), nh // hpb)
+            for i in range(done[g], n):
                 b = blocks[i]
                 if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
-                    pool.commit(b, self._block_hash(g, block_hashes, i))
+                    pool.commit(b, (block_hashes[(i + 1) * hpb - 1], g))
+            done[g] = max(done[g], n)
 
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""
         lists = self.req_blocks.pop(req_id)
+        del self._committed[req_id]
+        del self._skipped[req_id]
         for blocks in lists:
             self.pool.free(reversed(blocks))
 
