@@ -17,10 +17,15 @@ class InputError(Exception):
     """
 
     def __init__(self, source: str, key: str, problem: str, allowed: str = "") -> None:
+        # all four in ``args`` so that ``type(e)(*e.args)`` (as SimPy re-raises a
+        # process's exception) rebuilds the same error
+        super().__init__(source, key, problem, allowed)
         self.source = source
         self.key = key
         self.problem = problem
         self.allowed = allowed
-        where = f"{source}:{key}" if key else source
-        tail = f"; allowed: {allowed}" if allowed else ""
-        super().__init__(f"{where}: {problem}{tail}")
+
+    def __str__(self) -> str:
+        where = f"{self.source}:{self.key}" if self.key else self.source
+        tail = f"; allowed: {self.allowed}" if self.allowed else ""
+        return f"{where}: {self.problem}{tail}"

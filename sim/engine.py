@@ -1,0 +1,1059 @@
+"""The SimPy engine: arrivals, request lifecycles, the engine step loop, transfer links.
+
+What it models
+    One vLLM engine with the OffloadingConnector, replaying a request stream
+    in simulated time (spec §7, §8.3, §9). This is the only module that knows
+    SimPy; every decision is asked of the clock-free core
+    (:mod:`sim.gpu_cache`, :mod:`sim.connector`, :mod:`sim.cpu_cache`).
+
+    Processes
+        * *arrivals*: reads the workload lazily and starts one *lifecycle*
+          process per request at its arrival time;
+        * *lifecycle* (one per request): joins the waiting queue, wakes the
+          engine, and waits for its end (finished, rejected, or the run
+          stopped), then writes the request's row;
+        * *engine*: the step loop below;
+        * *links*: one per direction (``h2d`` loads, ``d2h`` stores), each a
+          serial in-order queue; a job takes ``latency + bytes / bandwidth``.
+
+    One engine step (vLLM ``schedule`` -> workers -> ``update_from_output``)
+        1. running requests, in order, get their slots (decode: 1 token,
+           chunked prefill: up to the token budget); window groups free the
+           blocks they no longer attend over; when the pool is short the last
+           running request is preempted (recompute: blocks freed, back to the
+           front of the waiting queue);
+        2. if nothing was preempted, waiting requests are admitted while
+           budget and ``max_num_seqs`` allow (blocked ones are skipped, as
+           vLLM's skipped-waiting queue does): a request waiting for its load
+           is promoted when the load was reported done (its blocks are
+           committed, the last token is recomputed); a new request gets its
+           GPU prefix hit ``L`` and asks the connector for ``E`` (``None``:
+           retried next step); allocation; ``update_state_after_alloc``
+           builds the load, which makes the request wait for remote KV;
+        3. the connector's metadata: block ids, stale-entry zeroing and flush
+           fences (spec §7.6), store jobs of the scheduled requests and of the
+           requests finished in the previous step;
+        4. the worker: flushed stores are submitted and waited for, then the
+           stores deferred from the previous step and this step's loads are
+           submitted; the forward pass takes the cost model's step time; this
+           step's stores are deferred to the next step (spec §8.3);
+        5. output: computed tokens advance, a token is sampled when a request
+           reaches its length, stop conditions finish requests (blocks freed
+           at once), then transfer completions polled at the step's end update
+           the CPU cache and mark loaded requests ready.
+
+    Order of same-time events (defined here, once)
+        At one simulated instant: (1) transfer completions (``URGENT``), in
+        completion order per link, h2d before d2h on ties; (2) arrivals
+        (SimPy's ``NORMAL``), in trace order; (3) the engine's step boundary
+        (``LATE``). So a step that starts at ``t`` sees every arrival and
+        completion at ``t``; a completion during a step is reported at its end.
+
+    Decode fast-forward
+        When every running request is decoding, no request finishes, the
+        waiting queue cannot change the batch, no store is due, and no
+        arrival, transfer completion or occupancy sample falls before a step
+        start, ``k`` decode steps are executed in one go: only requests that
+        cross a block boundary do work, in the exact order stepping would,
+        and the simulated clock advances step by step with the same floating
+        point operations. Results are identical to stepping (tested).
+
+Simplifications
+    * One engine, one worker (no tensor/pipeline/data parallelism), no
+      speculative decoding, no encoder inputs, no LoRA, no priorities.
+    * The waiting queue is FCFS with a skipped queue in front (vLLM 0.30);
+      the async-load admission reservation (``reserved_blocks``) and the
+      allocator's watermark are not modelled.
+    * A new request that cannot fit even in an empty GPU is rejected
+      (recorded) instead of waiting forever.
+    * An idle engine does not spin: it sleeps until an arrival or a transfer
+      completion (vLLM polls with empty steps; no state changes in between).
+    * Store jobs are created in schedule order (running requests first, then
+      newly admitted, then requests finished in the previous step).
+    * A modelled crash with ``on_crash = "record"`` drops the request's
+      external hit for good (it recomputes from its local hit).
+
+Invariants (checked at the end of a completed run; :class:`InvariantViolation`)
+    * every request finished or was rejected;
+    * no GPU block is referenced; the pool's bookkeeping is consistent;
+    * no CPU chunk is pending a store or being loaded (every store completed
+      or was cancelled, every load released); the cache is consistent;
+    * the connector holds no job and no request state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import simpy
+
+from sim.connector import LoadPlan, ModelledCrashError, OffloadingScheduler, StorePlan
+from sim.costs import ZERO_STEP, ZERO_TRANSFER, StepCostModel, TransferModel
+from sim.cpu_cache import CpuChunkCache, EvictionPolicy
+from sim.gpu_cache import GpuKVCache
+from sim.layout import Layout
+from sim.metrics import Recorder, RunSummary
+from sim.windows import profile
+from sim.workload import Request
+
+__all__ = ["EngineConfig", "InvariantViolation", "RunResult", "simulate"]
+
+URGENT = 0  #: transfer completions
+NORMAL = 1  #: arrivals (SimPy's default priority)
+LATE = 2    #: engine step boundaries
+
+_Proc = Generator[simpy.Event, Any, Any]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, already validated (see :mod:`sim.scenario`)."""
+
+    layout: Layout
+    gpu_blocks: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    prefix_caching: bool = True
+    offloading: bool = True
+    offload_prompt_only: bool = True
+    cpu_capacity_chunks: int = 0
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    window_logic: Literal["old", "new"] = "new"
+    on_crash: Literal["record", "stop"] = "record"
+    step_cost: StepCostModel = ZERO_STEP
+    h2d: TransferModel = ZERO_TRANSFER
+    d2h: TransferModel = ZERO_TRANSFER
+    fast_forward: bool = True
+    occupancy_interval_s: float = 1.0
+    max_sim_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_blocks < 2:
+            raise ValueError("gpu_blocks must be >= 2 (one is the null block)")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.occupancy_interval_s <= 0:
+            raise ValueError("occupancy_interval_s must be > 0")
+
+
+class InvariantViolation(RuntimeError):  # noqa: N818 -- the name says what happened
+    """An end-of-run invariant failed: a simulator bug (exit 1)."""
+
+
+@dataclass
+class RunResult:
+    """How a run ended, and its summary figures."""
+
+    status: Literal["ok", "stopped_on_crash", "time_limit"]
+    summary: RunSummary
+
+
+class _At(simpy.Event):
+    """An event that fires after ``delay`` with a given priority (SimPy's
+    ``Timeout`` always uses ``NORMAL``)."""
+
+    def __init__(self, env: simpy.Environment, delay: float, priority: int) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, priority, delay)  # type: ignore[arg-type]
+
+
+_DEFER, _FULL, _REJECTED = "defer", "full", "rejected"
+
+# request states
+WAITING, WAITING_FOR_KV, RUNNING, FINISHED, REJECTED, UNFINISHED = range(6)
+_STATUS = {FINISHED: "finished", REJECTED: "rejected", UNFINISHED: "unfinished"}
+
+
+class _Live:
+    """A request inside the engine (what vLLM's ``Request`` holds), and its counters."""
+
+    __slots__ = (
+        "_all",
+        "_h",
+        "_tph",
+        "computed_tokens",
+        "cpu_hit_tokens",
+        "crash",
+        "deferrals",
+        "done",
+        "finish_s",
+        "first_token_s",
+        "generated",
+        "gpu_hit_tokens",
+        "high_water",
+        "load_job",
+        "load_jobs",
+        "load_ready",
+        "loaded_bytes",
+        "no_external",
+        "num_computed",
+        "num_prompt_tokens",
+        "num_tokens",
+        "preemptions",
+        "recomputed_tokens",
+        "req",
+        "req_id",
+        "scheduled_s",
+        "status",
+        "store_jobs",
+        "stored_bytes",
+        "synced",
+        "thr_comp",
+        "thr_slots",
+    )
+
+    def __init__(self, req: Request, env: simpy.Environment, tph: int) -> None:
+        self.req = req
+        self.req_id = req.req_id
+        self.num_prompt_tokens = req.prompt_tokens
+        self.num_tokens = req.prompt_tokens
+        self.num_computed = 0
+        self.generated = 0
+        self._all = req.block_hashes
+        self._tph = tph
+        self._h: list[int] = list(req.block_hashes[: req.prompt_tokens // tph])
+        self.status = WAITING
+        self.load_job: int | None = None
+        self.load_ready = False
+        self.no_external = False
+        self.synced = False
+        #: GPU allocation/commit is a no-op below these (see GpuKVCache.thresholds)
+        self.thr_slots = 0
+        self.thr_comp = 0
+        self.done = env.event()
+        self.scheduled_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.gpu_hit_tokens = 0
+        self.cpu_hit_tokens = 0
+        self.computed_tokens = 0
+        self.recomputed_tokens = 0
+        self.high_water = 0
+        self.loaded_bytes = 0
+        self.stored_bytes = 0
+        self.load_jobs = 0
+        self.store_jobs = 0
+        self.deferrals = 0
+        self.preemptions = 0
+        self.crash: str | None = None
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """Hashes of the complete hash blocks of the tokens known so far."""
+        n = self.num_tokens // self._tph
+        h = self._h
+        if len(h) < n:
+            h.extend(self._all[len(h) : n])
+        return h
+
+
+@dataclass(slots=True)
+class _Xfer:
+    """One transfer job on a link."""
+
+    job_id: int
+    req_id: str
+    direction: str
+    chunks: int
+    blocks: int
+    nbytes: int
+    submit_s: float = 0.0
+    start_s: float = 0.0
+    end_s: float = math.inf
+    flushed: bool = False
+    done: simpy.Event | None = None
+
+
+class _Link:
+    """A serial, in-order transfer queue (one direction of the PCIe link)."""
+
+    def __init__(self, env: simpy.Environment, name: str, model: TransferModel,
+                 on_done: Callable[[_Xfer], None]) -> None:
+        self.env = env
+        self.name = name
+        self.model = model
+        self.on_done = on_done
+        self.queue: deque[_Xfer] = deque()
+        self.current: _Xfer | None = None
+        self.busy_s = 0.0
+        self._wake: simpy.Event | None = None
+        env.process(self._run())
+
+    def submit(self, x: _Xfer) -> None:
+        x.submit_s = self.env.now
+        x.done = self.env.event()
+        self.queue.append(x)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    @property
+    def next_completion_s(self) -> float:
+        return self.current.end_s if self.current is not None else math.inf
+
+    def __len__(self) -> int:
+        return len(self.queue) + (self.current is not None)
+
+    def _run(self) -> _Proc:
+        env = self.env
+        while True:
+            if not self.queue:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            x = self.queue.popleft()
+            self.current = x
+            x.start_s = env.now
+            dur = self.model.time(x.nbytes)
+            x.end_s = env.now + dur
+            yield _At(env, dur, URGENT)
+            self.busy_s += dur
+            self.current = None
+            self.on_done(x)
+            assert x.done is not None
+            x.done.succeed()
+
+
+class _Engine:
+    """State and processes of one simulated engine."""
+
+    def __init__(self, cfg: EngineConfig, requests: Iterable[Request], rec: Recorder,
+                 progress: Callable[[int, float], None] | None) -> None:
+        self.cfg = cfg
+        self.rec = rec
+        self.progress = progress
+        self.env = simpy.Environment()
+        layout = cfg.layout
+        self.layout = layout
+        self.tph = layout.tokens_per_hash
+        self.gpu = GpuKVCache(layout, cfg.gpu_blocks, enable_caching=cfg.prefix_caching)
+        self.cpu: CpuChunkCache | None = None
+        self.conn: OffloadingScheduler | None = None
+        if cfg.offloading:
+            self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction)
+            self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
+                                            prefix_caching=cfg.prefix_caching,
+                                            offload_prompt_only=cfg.offload_prompt_only)
+        self.block_bytes = tuple(layout.kv_bytes_per_block(g) or 0 for g in range(len(layout.groups)))
+        self.summary = RunSummary()
+        self.completed: list[_Xfer] = []
+        self.h2d = _Link(self.env, "h2d", cfg.h2d, self._completed)
+        self.d2h = _Link(self.env, "d2h", cfg.d2h, self._completed)
+        self.xfers: dict[int, _Xfer] = {}
+        self.running: list[_Live] = []
+        self.waiting: deque[_Live] = deque()
+        self.skipped: deque[_Live] = deque()
+        self.live: dict[str, _Live] = {}
+        self.finished_pending: list[_Live] = []
+        self.deferred_stores: list[_Xfer] = []
+        self.step_no = 0
+        self.next_tick = 0.0
+        self.stop_reason: Literal["stopped_on_crash", "time_limit"] | None = None
+        self._requests: Iterator[Request] = iter(requests)
+        self.next_arrival_s = math.inf
+        self.arrivals_done = False
+        self._idle: simpy.Event | None = None
+        self._finished_count = 0
+        self._stop = self.env.event()
+        self.end_s = 0.0
+
+    # -- processes ------------------------------------------------------------------
+
+    def _arrivals(self) -> _Proc:
+        env = self.env
+        last = 0.0
+        for req in self._requests:
+            if req.arrival_s < last:
+                raise ValueError(f"request {req.req_id} arrives at {req.arrival_s} s, before "
+                                 f"the previous one ({last} s): the stream must be sorted")
+            last = req.arrival_s
+            self.next_arrival_s = req.arrival_s
+            if req.arrival_s > env.now:
+                yield env.timeout(req.arrival_s - env.now)
+            if self.stop_reason is not None:
+                break
+            env.process(self._lifecycle(req))
+        self.next_arrival_s = math.inf
+        self.arrivals_done = True
+        self._kick()
+
+    def _lifecycle(self, req: Request) -> _Proc:
+        r = _Live(req, self.env, self.tph)
+        self.live[r.req_id] = r
+        self.summary.requests_arrived += 1
+        self.summary.prompt_tokens += r.num_prompt_tokens
+        self.waiting.append(r)
+        if self.conn is not None:
+            self.conn.on_new_request(r)
+        self._kick()
+        yield r.done | self._stop
+        if r.status not in (FINISHED, REJECTED):
+            r.status = UNFINISHED
+        self._write_request(r)
+
+    def _completed(self, x: _Xfer) -> None:
+        self.completed.append(x)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._idle is not None and not self._idle.triggered:
+            self._idle.succeed()
+
+    def _engine(self) -> _Proc:
+        env = self.env
+        yield _At(env, 0, LATE)   # arrivals at time 0 come first
+        while True:
+            if self.cfg.max_sim_time_s is not None and env.now >= self.cfg.max_sim_time_s:
+                self.stop_reason = "time_limit"
+            if self.stop_reason is not None:
+                break
+            busy = yield from self._step()
+            if self.stop_reason is not None:
+                break
+            if busy:
+                continue
+            if self.arrivals_done and not self.live and not self.xfers and not self.deferred_stores:
+                break
+            self._idle = env.event()
+            wake: simpy.Event = self._idle
+            if self.cfg.max_sim_time_s is not None:
+                wake = wake | env.timeout(max(0.0, self.cfg.max_sim_time_s - env.now))
+            yield wake
+            self._idle = None
+            # let every other event of this instant happen first
+            yield _At(env, 0, LATE)
+        self._sample(force=True)
+        self.end_s = env.now
+        if not self._stop.triggered:
+            self._stop.succeed()
+
+    # -- one step ---------------------------------------------------------------------
+
+    def _step(self) -> Generator[simpy.Event, Any, bool]:
+        """One engine step; returns whether it did anything."""
+        env = self.env
+        cfg = self.cfg
+        gpu = self.gpu
+        conn = self.conn
+        if self._can_fast_forward():
+            k = yield from self._fast_forward()
+            if k:
+                return True
+        budget = cfg.max_num_batched_tokens
+        sched: list[tuple[_Live, int, tuple[tuple[int, ...], ...] | None]] = []
+        preempted: list[_Live] = []
+        allocated: set[int] = set()
+        running = self.running
+        # 1. running requests
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            num_new = min(r.num_tokens - r.num_computed, budget)
+            if r.num_computed + num_new < r.thr_slots and r.num_computed < r.thr_comp:
+                sched.append((r, num_new, None))     # nothing to allocate, free or commit
+                budget -= num_new
+                i += 1
+                continue
+            ids = None
+            while True:
+                ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
+                if ids is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            if ids is None:
+                break
+            self._commit(r, r.num_computed + num_new)
+            r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+            for new in ids:
+                allocated.update(new)
+            sched.append((r, num_new, ids))
+            budget -= num_new
+            i += 1
+        # 2. waiting requests
+        loads: list[LoadPlan] = []
+        admitted = 0
+        if not preempted:
+            step_skipped: deque[_Live] = deque()
+            while (self.skipped or self.waiting) and budget > 0:
+                if len(running) >= cfg.max_num_seqs:
+                    break
+                q = self.skipped if self.skipped else self.waiting
+                r = q[0]
+                if r.status == WAITING_FOR_KV:
+                    if not r.load_ready:
+                        q.popleft()
+                        step_skipped.appendleft(r)
+                        continue
+                    self._promote(r)
+                res = self._admit(r, budget, allocated)
+                if res == _DEFER:    # lookup deferred: skip, retry next step
+                    q.popleft()
+                    step_skipped.appendleft(r)
+                    continue
+                if res == _REJECTED:
+                    q.popleft()
+                    continue
+                if res == _FULL:     # no room (or stop): stop admitting
+                    break
+                assert isinstance(res, tuple)
+                num_new, ids, load = res
+                q.popleft()
+                admitted += 1
+                if r.scheduled_s is None:
+                    r.scheduled_s = env.now
+                if load is not None:
+                    loads.append(load)
+                    step_skipped.appendleft(r)
+                    continue
+                r.status = RUNNING
+                running.append(r)
+                sched.append((r, num_new, ids))
+                budget -= num_new
+            self.skipped.extendleft(step_skipped)
+        if self.stop_reason is not None:
+            return False
+        # 3. connector metadata
+        flush: set[int] = set()
+        stores: list[StorePlan] = []
+        if conn is not None:
+            conn.zero_reallocated(allocated)
+            for r, _, ids in sched:
+                if not r.synced:
+                    conn.update_block_ids(r.req_id, [[b.block_id for b in bl]
+                                                     for bl in gpu.req_blocks[r.req_id]])
+                    r.synced = True
+                elif ids is not None:
+                    conn.update_block_ids(r.req_id, ids)
+            for r in preempted:
+                flush |= conn.store_jobs_of(r.req_id)
+            if allocated and conn.block_fences:
+                flush |= conn.stores_reading(allocated)
+            for r, num_new, _ in sched:
+                plan = conn.build_store_job(r.req_id, r.num_computed + num_new)
+                if plan is not None:
+                    stores.append(plan)
+            for r in self.finished_pending:
+                if conn.has_request(r.req_id):
+                    plan = conn.build_store_job(r.req_id, None, allocated)
+                    if plan is not None:
+                        stores.append(plan)
+                        if plan.flush_now:
+                            flush.add(plan.job_id)
+                    conn.drop_if_idle(r.req_id)
+        new_store_x = [self._store_xfer(p) for p in stores]
+        finished_before = bool(self.finished_pending)
+        for r in self.finished_pending:
+            self._release(r)
+        self.finished_pending = []
+        # 4. worker: flush, submit, forward, defer this step's stores
+        start = env.now
+        if flush:
+            for x in new_store_x:
+                if x.job_id in flush:
+                    self.deferred_stores.append(x)
+            for x in self.deferred_stores:
+                x.flushed = x.job_id in flush
+                self.d2h.submit(x)
+            self.deferred_stores = []
+            waits = [self.xfers[j].done for j in sorted(flush) if j in self.xfers]
+            self.summary.flushed_stores += len(waits)
+            if waits:
+                yield simpy.AllOf(env, [w for w in waits if w is not None])
+                yield _At(env, 0, LATE)
+        else:
+            for x in self.deferred_stores:
+                self.d2h.submit(x)
+            self.deferred_stores = []
+        for p in loads:
+            self.h2d.submit(self._load_xfer(p))
+        prefill = decode = context = 0
+        for r, num_new, _ in sched:
+            if r.num_computed >= r.num_prompt_tokens and r.num_computed == r.num_tokens - 1:
+                decode += 1
+            else:
+                prefill += num_new
+            context += r.num_computed + num_new
+        if sched:
+            dur = cfg.step_cost.step_time(prefill, decode, context)
+            yield _At(env, dur, LATE)
+        self.deferred_stores.extend(x for x in new_store_x if x.job_id not in flush)
+        # 5. output
+        for r, num_new, _ in sched:
+            self._advance(r, num_new)
+        for r, _, _ in sched:
+            if r.status == RUNNING and r.generated >= r.req.output_tokens:
+                self._finish(r)
+        polled = self._poll()
+        nsteps = 1 if sched else 0
+        self.summary.steps += nsteps
+        did = bool(sched or loads or stores or admitted or preempted or finished_before
+                   or self.deferred_stores or flush or polled)
+        if did:
+            self.step_no += 1
+            self.summary.step_rows += 1
+            self.rec.add("steps", (self.step_no - 1, nsteps, start, env.now - start, prefill, decode,
+                                   context, len(running), len(self.waiting) + len(self.skipped),
+                                   len(loads), len(stores), len(preempted), gpu.pool.num_used))
+        self._sample()
+        return did
+
+    def _admit(self, r: _Live, budget: int, allocated: set[int]
+               ) -> tuple[int, tuple[tuple[int, ...], ...] | None, LoadPlan | None] | str:
+        """Try to admit the waiting request at the head of the queue.
+
+        Returns ``_DEFER`` (lookup deferred), ``_FULL`` (no room, or the run
+        stops: admit no more), ``_REJECTED``, or ``(tokens scheduled, new
+        block ids, load plan)``.
+        """
+        gpu, conn = self.gpu, self.conn
+        if r.num_computed > 0:        # promoted after its load
+            num_new = min(r.num_tokens - r.num_computed, budget)
+            ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
+            if ids is None:
+                return self._no_room(r)
+            self._commit(r, r.num_computed + num_new)
+            r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+            for new in ids:
+                allocated.update(new)
+            return num_new, ids, None
+        local_tokens, local = gpu.find_hit(r.block_hashes, r.num_tokens - 1)
+        ext = 0
+        load_async = False
+        if conn is not None and not r.no_external:
+            m = conn.get_num_new_matched_tokens(r, local_tokens)
+            if m.tokens is None:
+                r.deferrals += 1
+                self.summary.deferrals += 1
+                return _DEFER
+            ext, load_async = m.tokens, m.load_async
+        comp = local_tokens + ext
+        num_new = 0 if load_async else min(r.num_tokens - comp, budget)
+        alloc = gpu.allocate_new(r.req_id, local, local_tokens, ext, comp + num_new)
+        if alloc is None:
+            return self._no_room(r)
+        load: LoadPlan | None = None
+        if conn is not None:
+            try:
+                load = conn.update_state_after_alloc(r, alloc.blocks, ext, alloc.null_prefix)
+            except ModelledCrashError as exc:
+                self._record_crash(r, exc)
+                gpu.free(r.req_id)
+                if self.cfg.on_crash == "stop":
+                    self.stop_reason = "stopped_on_crash"
+                    return _FULL
+                r.no_external = True
+                ext, load_async = 0, False
+                comp = local_tokens
+                num_new = min(r.num_tokens - comp, budget)
+                alloc = gpu.allocate_new(r.req_id, local, local_tokens, 0, comp + num_new)
+                if alloc is None:
+                    return _FULL
+                conn.update_state_after_alloc(r, alloc.blocks, 0, alloc.null_prefix)
+            if load is not None:
+                for h in load.hazards:
+                    self._event("hazard", h.kind, r.req_id, h.group, h.chunk,
+                                f"chunk ({h.group}, {h.chunk}) is already being loaded")
+                    self.summary.hazards += 1
+                    self.summary.hazard_kinds[h.kind] = self.summary.hazard_kinds.get(h.kind, 0) + 1
+        for new in alloc.new_block_ids:
+            allocated.update(new)
+        if r.preemptions == 0 and r.scheduled_s is None:
+            r.gpu_hit_tokens = local_tokens
+            self.summary.gpu_hit_tokens += local_tokens
+        r.synced = False
+        r.num_computed = comp
+        if load is not None:
+            r.status = WAITING_FOR_KV
+            r.load_job = load.job_id
+            r.load_ready = False
+            r.cpu_hit_tokens += ext
+            self.summary.cpu_hit_tokens += ext
+            return 0, None, load
+        self._commit(r, comp + num_new)
+        r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+        return num_new, None, None
+
+    def _no_room(self, r: _Live) -> str:
+        """The GPU pool cannot take ``r`` now. Normally admission stops (FCFS);
+        with nothing running it never would get room that way: reject ``r`` if
+        it holds the pool alone, else skip it (starvation guard)."""
+        if self.running:
+            return _FULL
+        if all(rid == r.req_id for rid in self.gpu.req_blocks) and not self.xfers:
+            if r.req_id in self.gpu.req_blocks:
+                self.gpu.free(r.req_id)
+            self._reject(r, f"does not fit in the GPU block pool ({self.cfg.gpu_blocks} blocks)")
+            return _REJECTED
+        return _DEFER
+
+    def _promote(self, r: _Live) -> None:
+        """A loaded request leaves WAITING_FOR_KV (spec §9 1.b)."""
+        self._commit(r, r.num_computed)
+        if r.num_computed == r.num_tokens:
+            r.num_computed -= 1
+        r.status = WAITING
+        r.load_job = None
+        r.load_ready = False
+        r.high_water = max(r.high_water, r.num_computed)
+
+    def _commit(self, r: _Live, num_tokens: int) -> None:
+        if self.cfg.prefix_caching:
+            self.gpu.commit(r.req_id, r.block_hashes, min(num_tokens, r.num_tokens))
+
+    def _preempt(self, r: _Live) -> None:
+        self.gpu.free(r.req_id)
+        r.num_computed = 0
+        r.status = WAITING
+        r.preemptions += 1
+        self.summary.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _advance(self, r: _Live, num_new: int) -> None:
+        """Tokens computed by the forward pass; sample when the sequence is complete."""
+        a = r.num_computed
+        b = a + num_new
+        if a < r.num_prompt_tokens or b < r.num_tokens:   # prefill work
+            redo = max(0, min(b, r.high_water) - a)
+            r.recomputed_tokens += redo
+            r.computed_tokens += num_new
+            self.summary.computed_tokens += num_new
+            self.summary.recomputed_tokens += redo
+        r.high_water = max(r.high_water, b)
+        r.num_computed = b
+        if b >= r.num_tokens:
+            r.generated += 1
+            r.num_tokens += 1
+            if r.generated == 1 and r.first_token_s is None:
+                r.first_token_s = self.env.now
+
+    def _finish(self, r: _Live) -> None:
+        """A stop condition: the request leaves the batch; its blocks are freed
+        now, its final stores come with the next step (then it is released)."""
+        self.running.remove(r)
+        r.status = FINISHED
+        r.finish_s = self.env.now
+        self._finished_count += 1
+        if self.progress is not None and self._finished_count % 100 == 0:
+            self.progress(self._finished_count, self.env.now)
+        if self.conn is not None and self.conn.has_request(r.req_id):
+            self.conn.request_finished(r.req_id)
+            self.finished_pending.append(r)
+            self.gpu.free(r.req_id)
+        else:
+            self.gpu.free(r.req_id)
+            self._release(r)
+
+    def _reject(self, r: _Live, reason: str) -> None:
+        r.status = REJECTED
+        r.finish_s = self.env.now
+        self._event("rejected", "too_long", r.req_id, -1, -1,
+                    f"{r.num_prompt_tokens} prompt tokens: {reason}")
+        if self.conn is not None and self.conn.has_request(r.req_id):
+            self.conn.request_finished(r.req_id)
+            self.conn.drop_if_idle(r.req_id)
+        self._release(r)
+
+    def _release(self, r: _Live) -> None:
+        """The request is done with the engine; its lifecycle writes its row."""
+        del self.live[r.req_id]
+        r.done.succeed()
+
+    def _record_crash(self, r: _Live, exc: ModelledCrashError) -> None:
+        c = exc.crash
+        r.crash = c.kind
+        s = self.summary
+        s.crashes += 1
+        s.crash_kinds[c.kind] = s.crash_kinds.get(c.kind, 0) + 1
+        if s.first_crash_s is None:
+            s.first_crash_s = self.env.now
+        self._event("crash", c.kind, r.req_id, -1 if c.group is None else c.group,
+                    -1 if c.chunk is None else c.chunk, f"{c.where}: {c.message}")
+
+    def _event(self, kind: str, detail: str, req_id: str | None, group: int, chunk: int,
+               message: str) -> None:
+        self.rec.add("events", (self.env.now, kind, detail, req_id, group, chunk, message))
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def _bytes(self, sizes: Sequence[int]) -> tuple[int, int]:
+        bb = self.block_bytes
+        return sum(sizes), sum(n * b for n, b in zip(sizes, bb, strict=True))
+
+    def _load_xfer(self, p: LoadPlan) -> _Xfer:
+        blocks, nbytes = self._bytes(p.group_sizes)
+        x = _Xfer(p.job_id, p.req_id, "h2d", len(p.keys), blocks, nbytes)
+        self.xfers[p.job_id] = x
+        r = self.live[p.req_id]
+        r.loaded_bytes += nbytes
+        r.load_jobs += 1
+        self.summary.load_jobs += 1
+        self.summary.loaded_bytes += nbytes
+        return x
+
+    def _store_xfer(self, p: StorePlan) -> _Xfer:
+        blocks, nbytes = self._bytes(p.group_sizes)
+        x = _Xfer(p.job_id, p.req_id, "d2h", len(p.keys), blocks, nbytes)
+        self.xfers[p.job_id] = x
+        r = self.live[p.req_id]
+        r.stored_bytes += nbytes
+        r.store_jobs += 1
+        self.summary.store_jobs += 1
+        self.summary.stored_bytes += nbytes
+        return x
+
+    def _poll(self) -> int:
+        """Report the transfers completed by now (end of a step); how many."""
+        if not self.completed:
+            return 0
+        done = sorted(self.completed, key=lambda x: (x.end_s, x.direction != "h2d"))
+        self.completed.clear()
+        conn = self.conn
+        assert conn is not None
+        for x in done:
+            del self.xfers[x.job_id]
+            self.rec.add("transfers", (x.job_id, x.req_id, x.direction, x.chunks, x.blocks, x.nbytes,
+                                       x.submit_s, x.start_s, x.end_s, x.flushed))
+            req_id, is_store = conn.complete_job(x.job_id)
+            if not is_store:
+                r = self.live.get(req_id)
+                if r is not None and r.load_job == x.job_id:
+                    r.load_ready = True
+        return len(done)
+
+    # -- decode fast-forward ----------------------------------------------------------------
+
+    def _can_fast_forward(self) -> bool:
+        cfg = self.cfg
+        running = self.running
+        if (not cfg.fast_forward or len(running) < 1 or self.deferred_stores or self.finished_pending
+                or self.completed or len(running) > cfg.max_num_batched_tokens):
+            return False
+        if (self.waiting or self.skipped) and len(running) < cfg.max_num_seqs:
+            if self.waiting:
+                return False
+            if any(r.status != WAITING_FOR_KV or r.load_ready for r in self.skipped):
+                return False
+        conn = self.conn
+        for r in running:
+            if r.num_computed != r.num_tokens - 1 or r.req.output_tokens - r.generated < 3:
+                return False
+            if conn is not None and not conn.store_idle(r.req_id, r.num_tokens):
+                return False
+        return True
+
+    def _fast_forward(self) -> Generator[simpy.Event, Any, int]:
+        """Run ``k >= 2`` pure decode steps at once; returns k (0: not possible)."""
+        env, cfg, gpu = self.env, self.cfg, self.gpu
+        running = list(self.running)
+        n = len(running)
+        horizon = min(self.next_arrival_s, self.h2d.next_completion_s, self.d2h.next_completion_s,
+                      max(self.next_tick, env.now))
+        if cfg.max_sim_time_s is not None:
+            horizon = min(horizon, cfg.max_sim_time_s)
+        # steps before any request's last one
+        kmax = min(r.req.output_tokens - r.generated for r in running) - 1
+        # time: step s (s >= 1) is in the window only if it starts before the horizon
+        cost = cfg.step_cost
+        ctx0 = sum(r.num_tokens for r in running)
+        durs: list[float] = []
+        t = env.now
+        while len(durs) < kmax:
+            if durs and not t < horizon:
+                break
+            d = cost.step_time(0, n, ctx0 + n * len(durs))
+            durs.append(d)
+            t = t + d
+        k = len(durs)
+        if k < 2:
+            return 0
+        # allocations per step (a new block when the slot count passes the list)
+        pool = gpu.pool
+        steps_alloc = [0] * k
+        for r in running:
+            nc = r.num_computed
+            for g, blocks in enumerate(gpu.req_blocks[r.req_id]):
+                bs = self.layout.groups[g].tokens_per_block
+                for s in range(len(blocks) * bs - nc, k, bs):
+                    steps_alloc[s] += 1
+        # only currently free blocks may be handed out, and none a pending store reads
+        limit = pool.num_free
+        fences = self.conn.block_fences if self.conn is not None else {}
+        if fences:
+            for pos, bid in enumerate(pool.free_ids_head(limit)):
+                if bid in fences:
+                    limit = pos
+                    break
+        total = 0
+        for s in range(k):
+            total += steps_alloc[s]
+            if total > limit:
+                k = s
+                break
+        if k < 2:
+            return 0
+        start = env.now
+        nc0 = [r.num_computed for r in running]
+        nt0 = [r.num_tokens for r in running]
+        # (step, running index) of each request's next allocation, free or commit
+        heap = [(s, i) for i, r in enumerate(running)
+                if (s := min(r.thr_slots - nc0[i] - 1, r.thr_comp - nc0[i])) < k]
+        heapq.heapify(heap)
+        new_ids: dict[int, list[list[int]]] = {}
+        for s in range(k):
+            while heap and heap[0][0] <= s:
+                _, i = heapq.heappop(heap)
+                r = running[i]
+                nc = nc0[i] + s
+                r.num_computed = nc
+                r.num_tokens = nt0[i] + s
+                ids = gpu.allocate_more(r.req_id, nc, nc + 1)
+                if ids is None:
+                    raise InvariantViolation("fast-forward allocation failed after the dry run")
+                acc = new_ids.setdefault(i, [[] for _ in ids])
+                for g, new in enumerate(ids):
+                    acc[g].extend(new)
+                self._commit(r, nc + 1)
+                r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+                nxt = s + max(1, min(r.thr_slots - nc - 1, r.thr_comp - nc))
+                if nxt < k:
+                    heapq.heappush(heap, (nxt, i))
+            yield _At(env, durs[s], LATE)
+        for i, r in enumerate(running):
+            r.num_computed = nc0[i] + k
+            r.num_tokens = nt0[i] + k
+            r.high_water = r.num_computed
+            r.generated += k
+        if self.conn is not None:
+            for i, acc in new_ids.items():
+                self.conn.update_block_ids(running[i].req_id, acc)
+        self.step_no += k
+        self.summary.steps += k
+        self.summary.step_rows += 1
+        self.rec.add("steps", (self.step_no - k, k, start, env.now - start, 0, n, ctx0, n,
+                               len(self.waiting) + len(self.skipped), 0, 0, 0, pool.num_used))
+        self._poll()
+        self._sample()
+        return k
+
+    # -- sampling and rows --------------------------------------------------------------
+
+    def _sample(self, force: bool = False) -> None:
+        now = self.env.now
+        if not force and now < self.next_tick:
+            return
+        cpu = self.cpu
+        gpu = self.gpu
+        present = pending = loading = free = 0
+        if cpu is not None:
+            pending = cpu.num_pending
+            loading = cpu.num_loading
+            present = cpu.num_used - pending
+            free = cpu.capacity - cpu.num_used
+        wfk = sum(1 for r in self.skipped if r.status == WAITING_FOR_KV)
+        self.rec.add("occupancy", (now, present, pending, loading, free, gpu.pool.num_used,
+                                   gpu.pool.num_cached, len(self.running),
+                                   len(self.waiting) + len(self.skipped) - wfk, wfk,
+                                   len(self.h2d), len(self.d2h)))
+        iv = self.cfg.occupancy_interval_s
+        self.next_tick = (math.floor(now / iv) + 1) * iv
+
+    def _write_request(self, r: _Live) -> None:
+        s = self.summary
+        status = _STATUS[r.status]
+        if r.status == FINISHED:
+            s.requests_finished += 1
+            s.output_tokens += r.generated
+            if r.first_token_s is not None:
+                s.ttft_s.append(r.first_token_s - r.req.arrival_s)
+                if r.generated > 1 and r.finish_s is not None:
+                    s.tpot_s.append((r.finish_s - r.first_token_s) / (r.generated - 1))
+        elif r.status == REJECTED:
+            s.requests_rejected += 1
+        self.rec.add("requests", (
+            r.req_id, r.req.session_id, status, r.req.arrival_s, r.scheduled_s, r.first_token_s,
+            r.finish_s,
+            r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens, r.computed_tokens,
+            r.recomputed_tokens, r.loaded_bytes, r.stored_bytes, r.load_jobs, r.store_jobs,
+            r.deferrals, r.preemptions, r.crash))
+
+    # -- run ----------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        env = self.env
+        env.process(self._arrivals())
+        engine = env.process(self._engine())
+        env.run(until=engine)
+        env.run()   # let lifecycles write their rows
+        s = self.summary
+        s.sim_time_s = self.end_s
+        s.h2d_busy_s = self.h2d.busy_s
+        s.d2h_busy_s = self.d2h.busy_s
+        if self.conn is not None:
+            s.store_rejections = self.conn.store_rejections
+        if self.progress is not None:
+            self.progress(self._finished_count, env.now)
+        self.rec.flush()
+        status: Literal["ok", "stopped_on_crash", "time_limit"] = self.stop_reason or "ok"
+        if status == "ok":
+            self._check_invariants()
+        return RunResult(status, s)
+
+    def _check_invariants(self) -> None:
+        problems: list[str] = []
+        if self.live:
+            problems.append(f"{len(self.live)} requests neither finished nor rejected")
+        gpu = self.gpu
+        try:
+            gpu.pool.check_invariants()
+        except Exception as exc:
+            problems.append(f"GPU pool: {exc}")
+        if gpu.pool.num_used or gpu.req_blocks:
+            problems.append(f"{gpu.pool.num_used} GPU blocks still referenced "
+                            f"by {sorted(gpu.req_blocks)[:5]}")
+        if self.cpu is not None:
+            if self.cpu.num_pending:
+                problems.append(f"{self.cpu.num_pending} CPU chunks still pending a store")
+            if self.cpu.num_loading:
+                problems.append(f"{self.cpu.num_loading} CPU chunks still being loaded")
+            try:
+                self.cpu.check_invariants()
+            except Exception as exc:
+                problems.append(f"CPU cache: {exc}")
+        if self.conn is not None and (self.conn.num_jobs or self.conn.num_requests):
+            problems.append(f"connector holds {self.conn.num_jobs} jobs and "
+                            f"{self.conn.num_requests} request states")
+        if self.xfers or self.deferred_stores:
+            problems.append(f"{len(self.xfers)} transfers never completed")
+        if problems:
+            raise InvariantViolation("; ".join(problems))
+
+
+def simulate(config: EngineConfig, requests: Iterable[Request], recorder: Recorder, *,
+             progress: Callable[[int, float], None] | None = None) -> RunResult:
+    """Replay ``requests`` through the engine; rows go to ``recorder``.
+
+    Args:
+        config: the engine, caches, costs and links.
+        requests: the workload, in arrival order (read lazily).
+        recorder: receives the rows of every table; flushed before returning.
+        progress: called with (requests finished, simulated seconds) now and then.
+
+    Returns:
+        The run's status and summary.
+
+    Raises:
+        InvariantViolation: an end-of-run invariant failed (a simulator bug).
+    """
+    return _Engine(config, requests, recorder, progress).run()
+
