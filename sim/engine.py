@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -176,10 +177,9 @@ class _Live:
 
     __slots__ = (
         "_all",
-        "_h",
         "_tph",
         "computed_tokens",
-        "cpu_hit_tokens",
+        "cpu_hit_tokens", "cpu_reload_tokens",
         "crash",
         "deferrals",
         "done",
@@ -216,9 +216,11 @@ class _Live:
         self.num_tokens = req.prompt_tokens
         self.num_computed = 0
         self.generated = 0
-        self._all = req.block_hashes
         self._tph = tph
-        self._h: list[int] = list(req.block_hashes[: req.prompt_tokens // tph])
+        hashes = req.block_hashes
+        # a zero-copy view when the workload hands out arrays (bounded memory
+        # for long queues); any other sequence is sliced on demand
+        self._all: Sequence[int] = memoryview(hashes) if isinstance(hashes, array) else hashes
         self.status = WAITING
         self.load_job: int | None = None
         self.load_ready = False
@@ -233,6 +235,7 @@ class _Live:
         self.finish_s: float | None = None
         self.gpu_hit_tokens = 0
         self.cpu_hit_tokens = 0
+        self.cpu_reload_tokens = 0
         self.computed_tokens = 0
         self.recomputed_tokens = 0
         self.high_water = 0
@@ -245,13 +248,9 @@ class _Live:
         self.crash: str | None = None
 
     @property
-    def block_hashes(self) -> list[int]:
+    def block_hashes(self) -> Sequence[int]:
         """Hashes of the complete hash blocks of the tokens known so far."""
-        n = self.num_tokens // self._tph
-        h = self._h
-        if len(h) < n:
-            h.extend(self._all[len(h) : n])
-        return h
+        return self._all[: self.num_tokens // self._tph]
 
 
 @dataclass(slots=True)
@@ -635,6 +634,8 @@ class _Engine:
             if m.tokens is None:
                 r.deferrals += 1
                 self.summary.deferrals += 1
+                why = m.defer_reason or "unknown"
+                self.summary.deferral_reasons[why] = self.summary.deferral_reasons.get(why, 0) + 1
                 return _DEFER
             ext, load_async = m.tokens, m.load_async
         comp = local_tokens + ext
@@ -677,8 +678,12 @@ class _Engine:
             r.status = WAITING_FOR_KV
             r.load_job = load.job_id
             r.load_ready = False
-            r.cpu_hit_tokens += ext
-            self.summary.cpu_hit_tokens += ext
+            if r.preemptions == 0:
+                r.cpu_hit_tokens += ext
+                self.summary.cpu_hit_tokens += ext
+            else:
+                r.cpu_reload_tokens += ext
+                self.summary.cpu_reload_tokens += ext
             return 0, None, load
         self._commit(r, comp + num_new)
         r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
@@ -983,7 +988,8 @@ class _Engine:
         self.rec.add("requests", (
             r.req_id, r.req.session_id, status, r.req.arrival_s, r.scheduled_s, r.first_token_s,
             r.finish_s,
-            r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens, r.computed_tokens,
+            r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens, r.cpu_reload_tokens,
+            r.computed_tokens,
             r.recomputed_tokens, r.loaded_bytes, r.stored_bytes, r.load_jobs, r.store_jobs,
             r.deferrals, r.preemptions, r.crash))
 

@@ -106,19 +106,20 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[Block]:
         """Pop ``n`` blocks from the head of the free queue (ref count 1, no hash)."""
-        if n > len(self._free):
-            raise GpuInvariantError(f"asked for {n} blocks with {len(self._free)} free")
-        out = []
         free = self._free
-        for _ in range(n):
-            _, b = free.popitem(last=False)
-            if b.block_hash is not None:
-                if self._cached.get(b.block_hash) is b:
-                    del self._cached[b.block_hash]
+        if n > len(free):
+            raise GpuInvariantError(f"asked for {n} blocks with {len(free)} free")
+        pop = free.popitem
+        out = [pop(last=False)[1] for _ in range(n)]
+        cached = self._cached
+        for b in out:
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                if cached.get(h) is b:
+                    del cached[h]
                 b.block_hash = None
                 self.num_evicted += 1
-            b.ref_cnt = 1
-            out.append(b)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -451,7 +452,8 @@ class GpuKVCache:
         (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
         lists = self.req_blocks[req_id]
         done = self._committed[req_id]
-        pool = self.pool
+        caching = self.pool.enable_caching
+        cached = self.pool._cached
         nh = len(block_hashes)
         for g, blocks in enumerate(lists):
             hpb = self._hpb[g]
@@ -459,7 +461,10 @@ class GpuKVCache:
             for i in range(done[g], n):
                 b = blocks[i]
                 if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
-                    pool.commit(b, (block_hashes[(i + 1) * hpb - 1], g))
+                    h = (block_hashes[(i + 1) * hpb - 1], g)
+                    b.block_hash = h
+                    if caching and h not in cached:
+                        cached[h] = b
             done[g] = max(done[g], n)
 
     def free(self, req_id: str) -> None:

@@ -57,7 +57,8 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("prompt_tokens", "int"),
         ("output_tokens", "int"),
         ("gpu_hit_tokens", "int"),       # local GPU prefix-cache hit at first admission
-        ("cpu_hit_tokens", "int"),       # tokens loaded from the CPU cache (all admissions)
+        ("cpu_hit_tokens", "int"),       # tokens loaded from the CPU cache at first admission
+        ("cpu_reload_tokens", "int"),    # tokens loaded again after a preemption
         ("computed_tokens", "int"),      # prefill tokens computed on the GPU (all passes)
         ("recomputed_tokens", "int"),    # of those, tokens computed again (preemption, dropped hit)
         ("loaded_bytes", "int"),
@@ -208,6 +209,7 @@ class RunSummary:
     prompt_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
+    cpu_reload_tokens: int = 0
     computed_tokens: int = 0
     recomputed_tokens: int = 0
     output_tokens: int = 0
@@ -215,6 +217,7 @@ class RunSummary:
     step_rows: int = 0
     preemptions: int = 0
     deferrals: int = 0
+    deferral_reasons: dict[str, int] = field(default_factory=dict)
     load_jobs: int = 0
     store_jobs: int = 0
     loaded_bytes: int = 0
@@ -236,17 +239,21 @@ class RunSummary:
     def figures(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict (derived rates included)."""
         prompt = max(1, self.prompt_tokens)
+        loaded = self.cpu_hit_tokens + self.cpu_reload_tokens
         t = self.sim_time_s
         out: dict[str, Any] = {
             "requests": {"arrived": self.requests_arrived, "finished": self.requests_finished,
                          "rejected": self.requests_rejected},
             "tokens": {"prompt": self.prompt_tokens, "gpu_hit": self.gpu_hit_tokens,
-                       "cpu_hit": self.cpu_hit_tokens, "computed": self.computed_tokens,
+                       "cpu_hit": self.cpu_hit_tokens, "cpu_reload": self.cpu_reload_tokens,
+                       "computed": self.computed_tokens,
                        "recomputed": self.recomputed_tokens, "output": self.output_tokens},
+            # of all prompt tokens, the share found at first admission
             "gpu_hit_rate": self.gpu_hit_tokens / prompt,
             "cpu_hit_rate": self.cpu_hit_tokens / prompt,
-            # prefill tokens the CPU cache spared the GPU, over all prompt tokens
-            "recompute_saved": self.cpu_hit_tokens / prompt,
+            # of all prefill work (loaded from CPU + computed, preemption reloads
+            # and recomputes included), the share the CPU cache served
+            "recompute_saved": loaded / (loaded + self.computed_tokens) if loaded else 0.0,
             "ttft_s": {f"p{q}": percentile(self.ttft_s, q) for q in (50, 90, 99)},
             "tpot_s": {"mean": (sum(self.tpot_s) / len(self.tpot_s)) if self.tpot_s else None,
                        **{f"p{q}": percentile(self.tpot_s, q) for q in (50, 90, 99)}},
@@ -259,7 +266,8 @@ class RunSummary:
                           "flushed_stores": self.flushed_stores,
                           "store_rejections": self.store_rejections},
             "engine": {"steps": self.steps, "step_rows": self.step_rows,
-                       "preemptions": self.preemptions, "deferrals": self.deferrals},
+                       "preemptions": self.preemptions, "deferrals": self.deferrals,
+                       "deferral_reasons": dict(sorted(self.deferral_reasons.items()))},
             "crashes": {"count": self.crashes, "kinds": dict(sorted(self.crash_kinds.items())),
                         "first_s": self.first_crash_s},
             "hazards": {"count": self.hazards, "kinds": dict(sorted(self.hazard_kinds.items()))},

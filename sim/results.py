@@ -471,6 +471,7 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("simulated time", _fmt(summary.get("sim_time_s"), ".2f", " s")),
             ("GPU hit rate", _pct(summary["gpu_hit_rate"])),
             ("CPU hit rate", _pct(summary["cpu_hit_rate"])),
+            ("CPU reloads after preemption", f"{summary['tokens'].get('cpu_reload', 0):,} tokens"),
             ("recompute saved", _pct(summary["recompute_saved"])),
             ("TTFT p50 / p90 / p99", " / ".join(_ms(ttft.get(f"p{q}")) for q in (50, 90, 99))),
             ("TPOT mean / p50", f"{_ms(tpot.get('mean'))} / {_ms(tpot.get('p50'))}"),
@@ -479,7 +480,9 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("bytes moved H2D / D2H", f"{human_bytes(tr['h2d_bytes'])} / {human_bytes(tr['d2h_bytes'])}"),
             ("link utilisation H2D / D2H", f"{_pct(tr['h2d_utilisation'])} / {_pct(tr['d2h_utilisation'])}"),
             ("preemptions", str(summary["engine"]["preemptions"])),
-            ("deferrals", str(summary["engine"]["deferrals"])),
+            ("deferrals", str(summary["engine"]["deferrals"]) + (
+                " (" + ", ".join(f"{k} {v}" for k, v in summary["engine"]["deferral_reasons"].items())
+                + ")" if summary["engine"].get("deferral_reasons") else "")),
             ("crashes", crash_text),
             ("hazards", hazard_text),
         ]
