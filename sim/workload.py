@@ -8,7 +8,7 @@ What it models
     names the prefix ``[0, (i + 1) * tokens_per_hash)``, so two requests share
     hash ``i`` exactly when they share that prefix.
 
-    Two sources are provided.
+    Sources: a trace replay and synthetic generators.
 
     :func:`iter_mooncake` replays a Mooncake FAST'25 JSONL trace
     (``/work/shared/traces/README.md``). The trace names 512-token blocks by
@@ -28,6 +28,12 @@ What it models
     user message, so its hashes start with every hash of turn ``t``'s full
     sequence. Session starts are a Poisson process; the turns of a session
     arrive open loop, a think time after the previous turn's *arrival*.
+
+    :data:`AGENTIC` is a multi-turn preset for agentic tool loops (a long
+    shared prefix, short appends, many quick turns); ``system_prompts > 1``
+    gives several shared system prompts; :func:`iter_uniform` draws
+    independent requests (no sharing). :func:`scale_rate`, :func:`sample` and
+    :func:`take` transform any stream.
 
     The multi-turn defaults are chosen to resemble the Mooncake conversation
     trace (README: 3.4 req/s, input mean 12.0k / p50 6.9k / p99 85k tokens,
@@ -86,12 +92,20 @@ from typing import Any
 from sim.errors import InputError
 
 __all__ = [
+    "AGENTIC",
     "MultiTurnParams",
     "Request",
+    "UniformParams",
     "chain_hash",
     "iter_mooncake",
     "iter_multiturn",
+    "iter_uniform",
+    "replace_arrival",
+    "sample",
+    "scale_rate",
+    "take",
     "validate_params",
+    "validate_uniform",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -365,6 +379,8 @@ class MultiTurnParams:
             and the next turn's arrival (open loop).
         user_tokens_sigma: lognormal sigma of user messages.
         output_tokens_sigma: lognormal sigma of answers.
+        system_prompts: distinct system prompts; each session uses one,
+            drawn uniformly (1: every session shares the same prompt).
     """
 
     sessions: int = 200
@@ -379,6 +395,21 @@ class MultiTurnParams:
     think_time_mean_s: float = 30.0
     user_tokens_sigma: float = 1.2
     output_tokens_sigma: float = 0.5
+    system_prompts: int = 1
+
+
+#: Agentic tool loops: a long prefix shared by every session (system prompt
+#: and tool definitions), a short task, then many turns whose appends are a
+#: tool call (the answer) and its result (the next "user" message), with tool
+#: latencies of a few seconds. The figures are an assumption of typical
+#: coding/tool agents (a few thousand tokens of tool schema, results of a few
+#: hundred tokens, 5-15 steps), not fitted to a public trace (the Mooncake
+#: tool&agent trace is not available offline).
+AGENTIC = MultiTurnParams(
+    sessions=100, session_rate_per_s=0.5, turns_mean=8.0, turns_max=40,
+    system_prompt_tokens=6144, first_user_tokens_mean=400.0, followup_user_tokens_mean=600.0,
+    output_tokens_mean=150.0, max_context_tokens=65536, think_time_mean_s=3.0,
+    user_tokens_sigma=0.8, output_tokens_sigma=0.6, system_prompts=1)
 
 
 def validate_params(params: MultiTurnParams, source: str = "multiturn") -> None:
@@ -405,6 +436,7 @@ def validate_params(params: MultiTurnParams, source: str = "multiturn") -> None:
     for name in ("user_tokens_sigma", "output_tokens_sigma"):
         value = getattr(p, name)
         rules[name] = (num(value) and 0 <= value <= 5, "a number in [0, 5]")
+    rules["system_prompts"] = (type(p.system_prompts) is int and p.system_prompts >= 1, "an integer >= 1")
     for f in fields(p):
         ok, allowed = rules[f.name]
         if not ok:
@@ -444,6 +476,9 @@ def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
     """The turns of session ``s``, in order; holds only this session's hashes."""
     rng = random.Random(chain_hash(seed_salt, s))
     content_salt = chain_hash(seed_salt ^ _TAG_SESSION, s)
+    # which shared system prompt (prompt 0 keeps the historical hashes)
+    system_tag = _TAG_SYSTEM if p.system_prompts == 1 else chain_hash(
+        _TAG_SYSTEM, rng.randrange(p.system_prompts))
     p_stop = 1.0 / p.turns_mean
     turns = 1
     while turns < p.turns_max and rng.random() >= p_stop:
@@ -467,7 +502,7 @@ def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
         for i in range(len(hashes), total // tph):
             # A block that lies wholly inside the system prompt has the same
             # content in every session; any other block is this session's own.
-            content = _TAG_SYSTEM + i if (i + 1) * tph <= p.system_prompt_tokens else content_salt + i
+            content = system_tag + i if (i + 1) * tph <= p.system_prompt_tokens else content_salt + i
             parent = chain_hash(parent, content)
             hashes.append(parent)
         yield Request(f"s{s}t{t}", arrival, prompt, out, array("q", hashes), f"s{s}", tph)
@@ -505,3 +540,116 @@ def _multiturn_stream(p: MultiTurnParams, seed: int, tph: int, limit: int | None
         if limit is not None and emitted >= limit:
             return
         admit(s, gen)
+
+
+# ----------------------------------------------------------------------------------------------
+# Uniform random requests (no prefix sharing)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class UniformParams:
+    """Independent requests: Poisson arrivals, uniform lengths, no shared prefix.
+
+    Attributes:
+        requests: number of requests.
+        rate_per_s: Poisson arrival rate.
+        input_tokens_min, input_tokens_max: prompt length, uniform (inclusive).
+        output_tokens_min, output_tokens_max: answer length, uniform (inclusive).
+    """
+
+    requests: int = 500
+    rate_per_s: float = 4.0
+    input_tokens_min: int = 512
+    input_tokens_max: int = 8192
+    output_tokens_min: int = 32
+    output_tokens_max: int = 512
+
+
+def validate_uniform(p: UniformParams, source: str = "uniform") -> None:
+    """Raise :class:`InputError` (``key`` = field name) for out-of-range parameters."""
+    checks = [
+        ("requests", type(p.requests) is int and p.requests >= 1, "an integer >= 1"),
+        ("rate_per_s", isinstance(p.rate_per_s, (int, float)) and not isinstance(p.rate_per_s, bool)
+         and math.isfinite(p.rate_per_s) and p.rate_per_s > 0, "a number > 0"),
+        ("input_tokens_min", type(p.input_tokens_min) is int and p.input_tokens_min >= 1, "an integer >= 1"),
+        ("input_tokens_max", type(p.input_tokens_max) is int and p.input_tokens_max >= p.input_tokens_min,
+         "an integer >= input_tokens_min"),
+        ("output_tokens_min", type(p.output_tokens_min) is int and p.output_tokens_min >= 1,
+         "an integer >= 1"),
+        ("output_tokens_max", type(p.output_tokens_max) is int and p.output_tokens_max >= p.output_tokens_min,
+         "an integer >= output_tokens_min"),
+    ]
+    for name, ok, allowed in checks:
+        if not ok:
+            raise InputError(source, name, f"{getattr(p, name)!r}", allowed)
+
+
+def iter_uniform(params: UniformParams, seed: int, tokens_per_hash: int, *,
+                 limit: int | None = None) -> Iterator[Request]:
+    """Stream ``params.requests`` independent requests (``u000000``, ...), seeded.
+
+    Every request's hashes are its own (salted with the seed and its index),
+    so nothing is shared: the workload isolates queueing and transfer costs
+    from reuse.
+    """
+    validate_uniform(params)
+    if type(tokens_per_hash) is not int or tokens_per_hash < 1:
+        raise InputError("uniform", "tokens_per_hash", f"{tokens_per_hash!r}", "an integer >= 1")
+    if limit is not None and (type(limit) is not int or limit < 0):
+        raise InputError("uniform", "limit", f"{limit!r}", "None or an integer >= 0")
+    return _uniform_stream(params, seed, tokens_per_hash, limit)
+
+
+def _uniform_stream(p: UniformParams, seed: int, tph: int, limit: int | None) -> Iterator[Request]:
+    salt = chain_hash(_TAG_START ^ 0x55AA, seed)
+    rng = random.Random(salt)
+    t = 0.0
+    n = p.requests if limit is None else min(p.requests, limit)
+    for i in range(n):
+        inp = rng.randint(p.input_tokens_min, p.input_tokens_max)
+        out = rng.randint(p.output_tokens_min, p.output_tokens_max)
+        m = chain_hash(salt, i)
+        hashes: array[int] = array("q")
+        hashes.frombytes(_xor_run(m, (inp + out) // tph))
+        yield Request(f"u{i:06d}", t, inp, out, hashes, None, tph)
+        t += rng.expovariate(p.rate_per_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stream transforms
+# ----------------------------------------------------------------------------------------------
+
+def scale_rate(stream: Iterator[Request], factor: float) -> Iterator[Request]:
+    """Arrivals ``factor`` times as dense (``arrival_s / factor``): 2.0 doubles the rate."""
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        raise InputError("workload", "rate_scale", f"{factor!r}", "a finite number > 0")
+    if factor == 1:
+        return stream
+    return (replace_arrival(r, r.arrival_s / factor) for r in stream)
+
+
+def sample(stream: Iterator[Request], fraction: float, seed: int) -> Iterator[Request]:
+    """Keep each request with probability ``fraction``, decided by a hash of
+    its id and the seed (the same requests are kept whatever else changes)."""
+    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        raise InputError("workload", "sample", f"{fraction!r}", "a number in (0, 1]")
+    if fraction == 1:
+        return stream
+    cut = int(fraction * (1 << 63))
+    salt = chain_hash(_TAG_START ^ 0xA5A5, seed)
+    return (r for r in stream if chain_hash(salt, _str_salt(r.req_id)) < cut)
+
+
+def take(stream: Iterator[Request], limit: int | None) -> Iterator[Request]:
+    """At most ``limit`` requests (None: all)."""
+    if limit is None:
+        return stream
+    if type(limit) is not int or limit < 0:
+        raise InputError("workload", "limit", f"{limit!r}", "None or an integer >= 0")
+    return (r for _, r in zip(range(limit), stream, strict=False))
+
+
+def replace_arrival(r: Request, arrival_s: float) -> Request:
+    """The same request arriving at ``arrival_s``."""
+    return Request(r.req_id, arrival_s, r.prompt_tokens, r.output_tokens, r.block_hashes,
+                   r.session_id, r.tokens_per_hash)
