@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
     p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")
     p.set_defaults(func=_cmd_validate)
+
+    from sim.traces import add_trace_parser
+
+    add_trace_parser(sub)  # kvsim trace stats | fetch | convert
     return parser
 
 
