@@ -23,7 +23,7 @@ What it models
     *Published figures.* :data:`GPU_PROFILES` holds datasheet figures of the
     H100 SXM and H200 SXM and a measured-style effective PCIe Gen5 x16
     bandwidth; :data:`MODEL_COST_PROFILES` holds parameter counts and KV
-    sizes of a few public models (BF16 weights and KV). :func:`step_model_for`
+    sizes of public models (BF16 unless noted). :func:`step_model_for`
     turns a (GPU, model) pair into a :class:`StepCostModel` with a
     roofline-style derivation. Every figure, its source and the derivation
     are in ``docs/costs.md``.
@@ -226,7 +226,8 @@ class ModelCostProfile:
     Attributes:
         name: short name, e.g. ``"llama-3.1-8b"``.
         active_params: parameters touched per token (for MoE: the activated ones).
-        weight_bytes: weight bytes read per step (BF16 here: 2 x all parameters).
+        weight_bytes: weight bytes read per step (BF16: 2 x all parameters; the native
+            MXFP4/FP4 checkpoint size for gpt-oss-120b and deepseek-v4-style).
         kv_bytes_per_token: KV bytes per token over all layers.
         sources: citations, each "URL: what number".
     """
@@ -330,7 +331,7 @@ def _dense_bf16(
     )
 
 
-#: Model profiles by name (BF16 weights and KV cache).
+#: Model profiles by name (BF16 weights and KV cache unless the entry says otherwise).
 MODEL_COST_PROFILES: dict[str, ModelCostProfile] = {
     p.name: p
     for p in (
@@ -379,6 +380,89 @@ MODEL_COST_PROFILES: dict[str, ModelCostProfile] = {
                 "48 layers, 32 Q / 4 KV heads, 128 experts, 8 activated",
                 "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: hidden 2048, head_dim 128, "
                 "moe_intermediate 768, vocab 151936 (30,532,122,624 total, 3,353,032,704 active recounted)",
+                "assumption: a serving step reads every expert's weights",
+            ),
+        ),
+        # -- the hybrid models of scenarios/models/ (KV bytes per token = the sum over the
+        # -- file's groups, window and mamba groups included; see docs/costs.md)
+        ModelCostProfile(
+            name="gpt-oss-120b",
+            active_params=5_711_982_912.0,
+            weight_bytes=65_248_815_744.0,
+            kv_bytes_per_token=kv_bytes_per_token(36, 8, 64, _BF16_BYTES),
+            sources=(
+                "https://huggingface.co/openai/gpt-oss-120b: 116.83B total / 5.13B active parameters "
+                "(model card, arXiv:2508.10925 Table 1; active without the input embedding), "
+                "60.8 GiB checkpoint, 128 experts, 4 per token",
+                "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: 36 layers alternating "
+                "sliding window 128 / full, 64 Q / 8 KV heads, head_dim 64, hidden 2880, vocab 201088 "
+                "(116,829,156,672 total, 5,711,982,912 active with both embedding tables, recounted)",
+                "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: quantization_config "
+                "mxfp4 for the experts; weight bytes = 114,661,785,600 expert weights x 4.25 bits + the "
+                "rest x 2 bytes = 65,248,815,744 (60.77 GiB)",
+                "assumption: a serving step reads every expert's weights",
+            ),
+        ),
+        _dense_bf16(
+            "gemma-3-27b", 27_009_346_304, layers=62, kv_heads=16, head_dim=128,
+            sources=(
+                "https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json: text_config 62 layers "
+                "(52 sliding window 1024, 10 global), 32 Q / 16 KV heads, head_dim 128, hidden 5376, "
+                "intermediate 21504, vocab 262208, tied embeddings (27,009,346,304 recounted)",
+                "https://huggingface.co/google/gemma-3-27b-it: 27B parameters (the vision encoder is "
+                "left out: text-only serving)",
+            ),
+        ),
+        ModelCostProfile(
+            name="llama-4-scout",
+            active_params=17_172_894_720.0,
+            weight_bytes=107_769_861_120.0 * _BF16_BYTES,
+            kv_bytes_per_token=kv_bytes_per_token(48, 8, 128, _BF16_BYTES),
+            sources=(
+                "https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct: 17B active, 109B total "
+                "(with the vision encoder), 16 experts",
+                "https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct/blob/main/config.json: "
+                "text_config 48 layers (36 chunked local 8192, 12 NoPE global), 40 Q / 8 KV heads, "
+                "head_dim 128, hidden 5120, expert and shared-expert intermediate 8192, top-1, vocab 202048 "
+                "(107,769,861,120 total, 17,172,894,720 active recounted for the text model)",
+                "assumption: a serving step reads every expert's weights",
+            ),
+        ),
+        ModelCostProfile(
+            name="qwen3-next-80b-a3b",
+            active_params=3_874_929_408.0,
+            weight_bytes=79_674_391_296.0 * _BF16_BYTES,
+            # 12 attention layers (2 KV heads x 256) + 36 Gated DeltaNet layers sized like KV
+            # with 32 heads x 16 (one 544-token block = vLLM's padded state page per layer)
+            kv_bytes_per_token=kv_bytes_per_token(12, 2, 256, _BF16_BYTES)
+            + kv_bytes_per_token(36, 32, 16, _BF16_BYTES),
+            sources=(
+                "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total / 3B activated, "
+                "48 layers = 12 x (3 Gated DeltaNet + 1 gated attention), 16 Q / 2 KV heads of 256, "
+                "512 experts (10 routed + 1 shared) of intermediate 512",
+                "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json: hidden 2048, "
+                "linear attention 32 V / 16 QK heads of 128, conv kernel 4, vocab 151936 "
+                "(79,674,391,296 total, 3,874,929,408 active recounted, without the MTP layer)",
+                "assumption: the mamba groups' per-token bytes are kvsim's shape stand-in for the "
+                "recurrent state (scenarios/models/qwen3-next-80b-a3b.toml); a serving step reads every "
+                "expert's weights",
+            ),
+        ),
+        ModelCostProfile(
+            name="deepseek-v4-style",
+            active_params=13e9,
+            weight_bytes=155e9,
+            # single-copy latent caches of scenarios/models/deepseek-v4-style.toml, per token:
+            # 21 CSA layers x 180 B (fp8) + 43 window layers x 585 B (fp8)
+            # + 20 HCA compressor states x 1024 x 4 B (fp32)
+            kv_bytes_per_token=21 * 180 + 43 * 585 + 20 * 1024 * 4,
+            sources=(
+                "https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash: 284B total / 13B activated "
+                "parameters, 43 layers, routed experts FP4 and other weights FP8",
+                "assumption: weight bytes estimated as 277,025,390,592 routed-expert parameters at 4.25 "
+                "bits + the other ~7.0B at 1 byte + bf16 embeddings = about 155 GB",
+                "assumption: KV bytes per token of the 'style' layout in "
+                "scenarios/models/deepseek-v4-style.toml (spec section 6.1 block sizes, V4-Flash shapes)",
                 "assumption: a serving step reads every expert's weights",
             ),
         ),
