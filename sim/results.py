@@ -395,6 +395,9 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
         return RunOutcome("failed", target, {**summary, "status": "failed"}, exc)
     figures = result.summary.figures()
     summary = {"run": header, "end": result.status, **figures}
+    bad = spec.bad_lines
+    if bad is not None:   # workload.skip_bad: never silently dropped
+        summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
     info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
     target = writer.finish("ok", summary, scenario_toml, info)
     return RunOutcome("ok", target, {**_clean_floats(summary), "status": "ok"})
@@ -486,6 +489,12 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("crashes", crash_text),
             ("hazards", hazard_text),
         ]
+        wl = summary.get("workload")
+        if wl is not None:
+            text = str(wl["bad_lines_skipped"])
+            if wl["bad_line_examples"]:
+                text += " (first: " + wl["bad_line_examples"][0] + ")"
+            rows.append(("bad trace lines skipped", text))
     if folder is not None:
         rows.append(("results", str(folder)))
     width = max(len(k) for k, _ in rows)

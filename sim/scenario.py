@@ -103,7 +103,7 @@ from sim.layout import DTYPE_BYTES, GroupKind, GroupSpec, KVShape, Layout, Layou
 if TYPE_CHECKING:
     from sim.costs import StepCostModel, TransferModel
     from sim.engine import EngineConfig
-    from sim.workload import Request
+    from sim.workload import MultiTurnParams, Request
 
 __all__ = [
     "HardwareFile",
@@ -343,13 +343,23 @@ class SchedulerSection(_Strict):
     fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
 
 
-class MultiTurnWorkload(_Strict):
+class _Transforms(_Strict):
+    """Keys every workload takes: how many requests and how dense."""
+
+    limit: int | None = Field(default=None, gt=0, description="requests at most")
+    rate_scale: float = Field(default=1.0, gt=0, description="arrivals this many times as dense")
+    sample: float = Field(default=1.0, gt=0, le=1,
+                          description="keep each request with this probability (seeded by its id)")
+
+
+class MultiTurnWorkload(_Transforms):
     """``[workload] kind = "multiturn"``: seeded synthetic chat sessions.
 
-    Keys left out take the defaults of :class:`sim.workload.MultiTurnParams`.
+    Keys left out take the defaults of :class:`sim.workload.MultiTurnParams`
+    (``kind = "agentic"``: of the :data:`sim.workload.AGENTIC` preset).
     """
 
-    kind: Literal["multiturn"]
+    kind: Literal["multiturn", "agentic"]
     sessions: int | None = Field(default=None, gt=0, description="number of sessions")
     session_rate_per_s: float | None = Field(default=None, gt=0, description="session arrival rate")
     turns_mean: float | None = Field(default=None, gt=0, description="mean turns per session")
@@ -365,17 +375,37 @@ class MultiTurnWorkload(_Strict):
     user_tokens_sigma: float | None = Field(default=None, ge=0,
                                             description="lognormal sigma of user messages")
     output_tokens_sigma: float | None = Field(default=None, ge=0, description="lognormal sigma of answers")
-    limit: int | None = Field(default=None, gt=0, description="requests at most")
+    system_prompts: int | None = Field(default=None, gt=0, description="distinct shared system prompts")
 
 
-class MooncakeWorkload(_Strict):
-    """``[workload] kind = "mooncake"``: replay of a Mooncake JSONL trace."""
+class UniformWorkload(_Transforms):
+    """``[workload] kind = "uniform"``: independent requests, no shared prefix.
 
-    kind: Literal["mooncake"]
-    path: str = Field(description="JSONL trace, relative to the scenario file")
-    limit: int | None = Field(default=None, gt=0, description="requests at most")
+    Keys left out take the defaults of :class:`sim.workload.UniformParams`.
+    """
+
+    kind: Literal["uniform"]
+    requests: int | None = Field(default=None, gt=0, description="number of requests")
+    rate_per_s: float | None = Field(default=None, gt=0, description="Poisson arrival rate")
+    input_tokens_min: int | None = Field(default=None, gt=0, description="prompt length, lower bound")
+    input_tokens_max: int | None = Field(default=None, gt=0, description="prompt length, upper bound")
+    output_tokens_min: int | None = Field(default=None, gt=0, description="answer length, lower bound")
+    output_tokens_max: int | None = Field(default=None, gt=0, description="answer length, upper bound")
+
+
+class MooncakeWorkload(_Transforms):
+    """``[workload] kind = "mooncake"`` (a Mooncake JSONL trace) or ``"trace"``
+    (any format :mod:`sim.traces` reads: Mooncake JSONL, Azure CSV, kvsim
+    CSV/Parquet; ``format`` or detected)."""
+
+    kind: Literal["mooncake", "trace"]
+    path: str = Field(description="trace file, relative to the scenario file")
+    format: Literal["auto", "mooncake", "azure", "csv", "parquet"] = Field(
+        default="auto", description="trace format (kind = trace)")
     time_scale: float = Field(default=1.0, gt=0, description="multiplies arrival times")
-    block_tokens: int = Field(default=512, gt=0, description="tokens per hash id in the trace")
+    block_tokens: int | None = Field(default=None, gt=0,
+                                     description="tokens per hash id (Mooncake: 512)")
+    skip_bad: bool = Field(default=False, description="skip bad lines, counted in the summary")
 
 
 class StepTable(_Strict):
@@ -422,7 +452,7 @@ class OutputSection(_Strict):
                                          description="stop the run at this simulated time")
 
 
-Workload = Annotated[MultiTurnWorkload | MooncakeWorkload, Field(discriminator="kind")]
+Workload = Annotated[MultiTurnWorkload | UniformWorkload | MooncakeWorkload, Field(discriminator="kind")]
 
 
 class RunScenario(_Strict):
@@ -466,7 +496,8 @@ class RunScenario(_Strict):
 
 #: discriminator tags pydantic puts into error locations; not keys of the file
 _TAGS: dict[str, type[BaseModel] | None] = {
-    "multiturn": MultiTurnWorkload, "mooncake": MooncakeWorkload,
+    "multiturn": MultiTurnWorkload, "agentic": MultiTurnWorkload, "uniform": UniformWorkload,
+    "mooncake": MooncakeWorkload, "trace": MooncakeWorkload,
     "step-table": StepTable, "step-name": None,
 }
 
@@ -852,6 +883,14 @@ class RunSpec:
     h2d: TransferModel
     d2h: TransferModel
     workload_path: Path | None
+    #: holds the :class:`sim.traces.BadLines` of the last :meth:`requests` stream
+    _bad: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def bad_lines(self) -> Any:
+        """Lines skipped by ``workload.skip_bad`` in the last :meth:`requests`
+        stream (a :class:`sim.traces.BadLines`), or None."""
+        return self._bad[0] if self._bad else None
 
     @property
     def name(self) -> str:
@@ -861,7 +900,11 @@ class RunSpec:
     @property
     def expected_requests(self) -> int | None:
         """The number of requests when known in advance (the workload's ``limit``)."""
-        return self.scenario.workload.limit
+        wl = self.scenario.workload
+        if isinstance(wl, UniformWorkload) and wl.sample == 1:
+            n = self.uniform_params()["requests"]
+            return int(n if wl.limit is None else min(n, wl.limit))
+        return wl.limit if wl.sample == 1 else None
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration."""
@@ -880,25 +923,63 @@ class RunSpec:
             max_sim_time_s=sc.output.max_sim_time_s)
 
     def multiturn_params(self) -> dict[str, Any]:
-        """The multi-turn generator's parameters, defaults filled in (multiturn only)."""
-        from sim.workload import MultiTurnParams
-
+        """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
         wl = self.scenario.workload
         assert isinstance(wl, MultiTurnWorkload)
-        return dataclasses.asdict(MultiTurnParams(**_given_params(wl)))
+        return dataclasses.asdict(_multiturn(wl))
 
-    def requests(self) -> Iterator[Request]:
-        """A fresh iterator over the run's requests (call again to restart)."""
-        from sim.workload import MultiTurnParams, iter_mooncake, iter_multiturn
+    def uniform_params(self) -> dict[str, Any]:
+        """The uniform generator's parameters, defaults filled in (uniform only)."""
+        from sim.workload import UniformParams
 
         wl = self.scenario.workload
+        assert isinstance(wl, UniformWorkload)
+        return dataclasses.asdict(UniformParams(**_given_params(wl)))
+
+    def requests(self) -> Iterator[Request]:
+        """A fresh iterator over the run's requests (call again to restart).
+
+        Order of the transforms: the source (with ``time_scale`` for traces),
+        then ``sample``, then ``rate_scale``, then ``limit``.
+        """
+        from sim.workload import (
+            UniformParams,
+            iter_mooncake,
+            iter_multiturn,
+            iter_trace,
+            iter_uniform,
+            sample,
+            scale_rate,
+            take,
+        )
+
+        wl = self.scenario.workload
+        seed = self.scenario.seed
         tph = self.scenario.scheduler.tokens_per_hash
+        self._bad.clear()
+        stream: Iterator[Request]
         if isinstance(wl, MooncakeWorkload):
             assert self.workload_path is not None
-            return iter_mooncake(self.workload_path, tph, limit=wl.limit, time_scale=wl.time_scale,
-                                 block_tokens=wl.block_tokens)
-        return iter_multiturn(MultiTurnParams(**self.multiturn_params()), self.scenario.seed, tph,
-                              limit=wl.limit)
+            if wl.kind == "mooncake" and not wl.skip_bad:
+                stream = iter_mooncake(self.workload_path, tph, time_scale=wl.time_scale,
+                                       block_tokens=wl.block_tokens or 512)
+            else:
+                from sim.traces import BadLines
+
+                bad = BadLines()
+                self._bad.append(bad)
+                fmt = "mooncake" if wl.kind == "mooncake" else (None if wl.format == "auto" else wl.format)
+                stream = iter_trace(self.workload_path, tph, fmt=fmt, time_scale=wl.time_scale,
+                                    block_tokens=wl.block_tokens, skip_bad=wl.skip_bad, bad=bad)
+        elif isinstance(wl, UniformWorkload):
+            stream = iter_uniform(UniformParams(**self.uniform_params()), seed, tph)
+        else:
+            stream = iter_multiturn(_multiturn(wl), seed, tph)
+        if wl.sample != 1:
+            stream = sample(stream, wl.sample, seed)
+        if wl.rate_scale != 1:
+            stream = scale_rate(stream, wl.rate_scale)
+        return take(stream, wl.limit)
 
     def resolved(self) -> dict[str, Any]:
         """The fully resolved scenario as a TOML-ready dict (loads back to the same config)."""
@@ -930,9 +1011,11 @@ class RunSpec:
             workload = wl.model_dump(exclude_none=True)
             workload["path"] = str(self.workload_path)
         else:
-            workload = {"kind": "multiturn", **self.multiturn_params()}
-            if wl.limit is not None:
-                workload["limit"] = wl.limit
+            params = self.uniform_params() if isinstance(wl, UniformWorkload) else self.multiturn_params()
+            workload = {"kind": wl.kind, **params}
+            for key in ("limit", "rate_scale", "sample"):
+                if getattr(wl, key) is not None:
+                    workload[key] = getattr(wl, key)
         out["workload"] = workload
         c = self.step_cost
         out["costs"] = {
@@ -959,9 +1042,18 @@ class RunSpec:
                 f"{sc.workload.kind} workload, logic {sc.window_logic}")
 
 
-def _given_params(wl: MultiTurnWorkload) -> dict[str, Any]:
-    """The multi-turn parameters a scenario gives (the rest take MultiTurnParams' defaults)."""
-    return {k: v for k, v in wl.model_dump().items() if k not in ("kind", "limit") and v is not None}
+def _given_params(wl: MultiTurnWorkload | UniformWorkload) -> dict[str, Any]:
+    """The generator parameters a scenario gives (the rest take the defaults)."""
+    skip = ("kind", "limit", "rate_scale", "sample")
+    return {k: v for k, v in wl.model_dump().items() if k not in skip and v is not None}
+
+
+def _multiturn(wl: MultiTurnWorkload) -> MultiTurnParams:
+    """Multi-turn parameters: the kind's preset with the given keys on top."""
+    from sim.workload import AGENTIC, MultiTurnParams
+
+    base = AGENTIC if wl.kind == "agentic" else MultiTurnParams()
+    return dataclasses.replace(base, **_given_params(wl))
 
 
 def kvsim_version() -> str:
@@ -1071,16 +1163,27 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
         workload_path = (base / wl.path).resolve()
         if not workload_path.is_file():
             raise InputError(source, "workload.path", f"{wl.path!r}: no such file",
-                             "a Mooncake JSONL trace, relative to the scenario file")
-        if wl.block_tokens % s.tokens_per_hash:
+                             "a trace file, relative to the scenario file")
+        block_tokens = wl.block_tokens or (512 if wl.kind == "mooncake" else None)
+        if block_tokens is not None and block_tokens % s.tokens_per_hash:
             raise InputError(source, "workload.block_tokens",
-                             f"{wl.block_tokens} is not a multiple of tokens_per_hash={s.tokens_per_hash}",
+                             f"{block_tokens} is not a multiple of tokens_per_hash={s.tokens_per_hash}",
                              f"a multiple of {s.tokens_per_hash}")
+        if wl.kind == "trace" and wl.format == "auto":
+            from sim.traces import detect_format
+
+            try:
+                detect_format(workload_path)
+            except InputError as exc:
+                raise InputError(source, "workload.format", exc.problem, exc.allowed) from None
     else:
-        from sim.workload import MultiTurnParams, validate_params
+        from sim.workload import UniformParams, validate_params, validate_uniform
 
         try:
-            validate_params(MultiTurnParams(**_given_params(wl)), source)
+            if isinstance(wl, UniformWorkload):
+                validate_uniform(UniformParams(**_given_params(wl)), source)
+            else:
+                validate_params(_multiturn(wl), source)
         except InputError as exc:
             raise InputError(source, f"workload.{exc.key}", exc.problem, exc.allowed) from None
     h2d, d2h = _transfers(sc, hw)

@@ -99,6 +99,7 @@ __all__ = [
     "chain_hash",
     "iter_mooncake",
     "iter_multiturn",
+    "iter_trace",
     "iter_uniform",
     "replace_arrival",
     "sample",
@@ -287,13 +288,67 @@ def _check_record(source: str, n: int, rec: Any, block_tokens: int,
     return float(ts), inp, out, ids
 
 
+class _Expander:
+    """Per-request hashes of a trace record (one per stream).
+
+    A complete trace block with id ``h`` expands into ``block_tokens //
+    tokens_per_hash`` sub-hashes that depend only on ``h`` and the position;
+    a shared-prefix group's first ``prefix_tokens`` tokens expand from the
+    group id the same way; everything after (partial trace block, the rest
+    of the prompt, all output tokens) is salted with the record's line
+    number and the stream's ``id_prefix``, so it belongs to the request alone.
+    """
+
+    def __init__(self, tph: int, id_prefix: str) -> None:
+        self.tph = tph
+        self.block_salt = chain_hash(_TAG_TRACE_BLOCK, tph)
+        self.group_salt = chain_hash(_TAG_TRACE_BLOCK ^ _TAG_SYSTEM, tph)
+        self.stream_salt = chain_hash(_str_salt(id_prefix), tph)
+        self.cache: OrderedDict[int, bytes] = OrderedDict()
+
+    def _block(self, h: int, per_block: int) -> bytes:
+        cache = self.cache
+        sub = cache.get(h)
+        if sub is None:
+            sub = _xor_run(_mix64(h ^ self.block_salt) & _MASK63, per_block)
+            cache[h] = sub
+            if len(cache) > _BLOCK_CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(h)
+        return sub
+
+    def hashes(self, line: int, inp: int, out: int, ids: Sequence[int] | None, block_tokens: int | None,
+               group: int | None = None, group_tokens: int | None = None) -> array[int]:
+        tph = self.tph
+        hashes: array[int] = array("q")
+        if ids is not None and block_tokens:
+            per_block = block_tokens // tph
+            for h in ids[: inp // block_tokens]:
+                hashes.frombytes(self._block(h, per_block))
+        elif group is not None and group_tokens:
+            n = min(group_tokens, inp) // tph
+            if n:
+                m = _mix64((group + 1) ^ self.group_salt) & _MASK63
+                hashes.frombytes(_xor_run(m, n))
+        last = hashes[-1] if hashes else _ROOT
+        req_salt = chain_hash(self.stream_salt, line)
+        npart = inp // tph - len(hashes)
+        if npart:
+            m = chain_hash(last, req_salt ^ _TAG_PARTIAL)
+            hashes.frombytes(_xor_run(m, npart))
+            last = hashes[-1]
+        nout = (inp + out) // tph - len(hashes)
+        if nout:
+            m = chain_hash(last, req_salt ^ _TAG_OUTPUT)
+            hashes.frombytes(_xor_run(m, nout))
+        return hashes
+
+
 def _mooncake_stream(path: Path, tph: int, limit: int | None, time_scale: float,
                      block_tokens: int, id_prefix: str) -> Iterator[Request]:
     source = str(path)
-    per_block = block_tokens // tph
-    block_salt = chain_hash(_TAG_TRACE_BLOCK, tph)
-    stream_salt = chain_hash(_str_salt(id_prefix), tph)
-    cache: OrderedDict[int, bytes] = OrderedDict()
+    expand = _Expander(tph, id_prefix)
     prev_ts = 0.0
     index = 0
     if limit == 0:
@@ -313,36 +368,67 @@ def _mooncake_stream(path: Path, tph: int, limit: int | None, time_scale: float,
                 raise _bad(source, n, f"invalid JSON ({exc})", "one JSON object per line") from exc
             ts, inp, out, ids = _check_record(source, n, rec, block_tokens, prev_ts)
             prev_ts = ts
-
-            hashes: array[int] = array("q")
-            nfull = inp // block_tokens
-            for h in ids[:nfull]:
-                sub = cache.get(h)
-                if sub is None:
-                    m = _mix64(h ^ block_salt) & _MASK63
-                    sub = _xor_run(m, per_block)
-                    cache[h] = sub
-                    if len(cache) > _BLOCK_CACHE_SIZE:
-                        cache.popitem(last=False)
-                else:
-                    cache.move_to_end(h)
-                hashes.frombytes(sub)
-            last = hashes[-1] if hashes else _ROOT
-            req_salt = chain_hash(stream_salt, n)
-            npart = (inp - nfull * block_tokens) // tph
-            if npart:
-                m = chain_hash(last, req_salt ^ _TAG_PARTIAL)
-                hashes.frombytes(_xor_run(m, npart))
-                last = hashes[-1]
-            nout = (inp + out) // tph - len(hashes)
-            if nout:
-                m = chain_hash(last, req_salt ^ _TAG_OUTPUT)
-                hashes.frombytes(_xor_run(m, nout))
+            hashes = expand.hashes(n, inp, out, ids, block_tokens)
             yield Request(f"{id_prefix}{index:06d}", ts / 1000.0 * time_scale, inp, out, hashes,
                           None, tph)
             index += 1
             if limit is not None and index >= limit:
                 return
+
+
+def iter_trace(path: str | Path, tokens_per_hash: int, *, fmt: str | None = None, limit: int | None = None,
+               time_scale: float = 1.0, block_tokens: int | None = None, skip_bad: bool = False,
+               bad: Any = None, id_prefix: str = "r") -> Iterator[Request]:
+    """Stream the requests of any trace :mod:`sim.traces` reads (Mooncake JSONL,
+    Azure CSV, kvsim CSV/Parquet), one record at a time.
+
+    Hash ids expand exactly as :func:`iter_mooncake` does (same file, same
+    hashes); a ``prefix_group`` shares its first ``prefix_tokens`` tokens with
+    the group; a trace without prefix information (Azure) shares nothing.
+
+    Args:
+        path: the trace.
+        tokens_per_hash: hash block size; must divide the trace's block size.
+        fmt: the format (None: detected).
+        limit: stop after this many requests.
+        time_scale: multiplies arrival times (< 1 compresses).
+        block_tokens: tokens per hash id when the file does not say.
+        skip_bad: skip bad records, counting them in ``bad`` (a
+            :class:`sim.traces.BadLines`), instead of raising.
+        id_prefix: ``req_id`` prefix; also salts the request-private hashes.
+
+    Raises:
+        InputError: bad arguments, or a bad record when the stream reaches it.
+    """
+    from sim.traces import iter_records
+
+    source = str(path)
+    if type(tokens_per_hash) is not int or tokens_per_hash < 1:
+        raise InputError(source, "tokens_per_hash", f"{tokens_per_hash!r}", "an integer >= 1")
+    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+        raise InputError(source, "time_scale", f"{time_scale!r}", "a finite number > 0")
+    if limit is not None and (type(limit) is not int or limit < 0):
+        raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
+    records = iter_records(path, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens)
+    return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix)
+
+
+def _trace_stream(records: Iterator[Any], source: str, tph: int, limit: int | None, time_scale: float,
+                  id_prefix: str) -> Iterator[Request]:
+    expand = _Expander(tph, id_prefix)
+    if limit == 0:
+        return
+    for index, rec in enumerate(records):
+        bt = rec.block_tokens
+        if rec.hash_ids is not None and bt and bt % tph:
+            raise InputError(source, "tokens_per_hash", f"{tph} does not divide the trace's "
+                             f"block size {bt}", "a divisor of the trace's tokens per hash id")
+        hashes = expand.hashes(rec.line, rec.input_tokens, rec.output_tokens, rec.hash_ids, bt,
+                               rec.prefix_group, rec.prefix_tokens)
+        yield Request(f"{id_prefix}{index:06d}", rec.arrival_s * time_scale, rec.input_tokens,
+                      rec.output_tokens, hashes, rec.session_id, tph)
+        if limit is not None and index + 1 >= limit:
+            return
 
 
 # ----------------------------------------------------------------------------------------------
