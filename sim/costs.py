@@ -118,7 +118,7 @@ class StepCostModel:
                 self, name, _finite_non_negative("StepCostModel", name, getattr(self, name))
             )
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: float) -> float:
         """Seconds the step takes.
 
         The expression is evaluated left to right in a fixed order (overhead,
@@ -127,7 +127,10 @@ class StepCostModel:
         Args:
             prefill_tokens: prompt tokens computed in this step (>= 0).
             decode_seqs: sequences that decode one token in this step (>= 0).
-            context_tokens: KV tokens attended, summed over requests (>= 0).
+            context_tokens: KV attended, summed over requests, in tokens of
+                the model's full KV per token (>= 0; the engine weighs each
+                group's attended tokens by its share of the KV bytes, so a
+                sliding-window group counts only its window).
 
         Returns:
             The step duration; ``0.0`` for the all-zero model.

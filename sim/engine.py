@@ -341,6 +341,8 @@ class _Engine:
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only)
         self.block_bytes = tuple(layout.kv_bytes_per_block(g) or 0 for g in range(len(layout.groups)))
+        self._att = _attention_terms(layout)
+        self._bpt_total = sum(bpt for _, _, bpt in self._att)
         self.summary = RunSummary()
         self.completed: list[_Xfer] = []
         self.h2d = _Link(self.env, "h2d", cfg.h2d, self._completed)
@@ -576,13 +578,15 @@ class _Engine:
             self.deferred_stores = []
         for p in loads:
             self.h2d.submit(self._load_xfer(p))
-        prefill = decode = context = 0
+        prefill = decode = attended = 0
+        att = self._attended
         for r, num_new, _ in sched:
             if r.num_computed >= r.num_prompt_tokens and r.num_computed == r.num_tokens - 1:
                 decode += 1
             else:
                 prefill += num_new
-            context += r.num_computed + num_new
+            attended += att(r.num_computed + num_new)
+        context = attended / self._bpt_total
         if sched:
             dur = cfg.step_cost.step_time(prefill, decode, context)
             yield _At(env, dur, LATE)
@@ -870,13 +874,16 @@ class _Engine:
         kmax = min(r.req.output_tokens - r.generated for r in running) - 1
         # time: step s (s >= 1) is in the window only if it starts before the horizon
         cost = cfg.step_cost
-        ctx0 = sum(r.num_tokens for r in running)
+        kmax = min(kmax, 4096)
+        ctx = self._attended_runs(running, kmax)
+        bpt_total = self._bpt_total
+        ctx0 = ctx[0] / bpt_total
         durs: list[float] = []
         t = env.now
         while len(durs) < kmax:
             if durs and not t < horizon:
                 break
-            d = cost.step_time(0, n, ctx0 + n * len(durs))
+            d = cost.step_time(0, n, ctx[len(durs)] / bpt_total)
             durs.append(d)
             t = t + d
         k = len(durs)
@@ -950,6 +957,39 @@ class _Engine:
         self._poll()
         self._sample()
         return k
+
+    def _attended(self, c: int) -> int:
+        """KV bytes one request reads with ``c`` tokens of context: full
+        attention all of it, a sliding window its last ``W`` tokens, chunked
+        local the tokens of its current chunk, mamba one state block."""
+        total = 0
+        for kind, p, bpt in self._att:
+            if kind == 0:
+                a = c
+            elif kind == 2:
+                a = c - ((c - 1) // p) * p if c > 0 else 0
+            else:
+                a = c if c < p else p
+            total += a * bpt
+        return total
+
+    def _attended_runs(self, running: list[_Live], k: int) -> list[int]:
+        """:meth:`_attended` summed over ``running`` for decode steps 0..k-1
+        (context ``num_computed + 1 + s``), vectorised; exact integers."""
+        import numpy as np
+
+        c = (np.fromiter((r.num_computed + 1 for r in running), dtype=np.int64, count=len(running))[:, None]
+             + np.arange(k, dtype=np.int64)[None, :])
+        tot = np.zeros(k, dtype=np.int64)
+        for kind, p, bpt in self._att:
+            if kind == 0:
+                a = c
+            elif kind == 2:
+                a = c - ((c - 1) // p) * p
+            else:
+                a = np.minimum(c, p)
+            tot += (a * bpt).sum(axis=0)
+        return [int(x) for x in tot]
 
     # -- sampling and rows --------------------------------------------------------------
 
@@ -1043,6 +1083,29 @@ class _Engine:
             problems.append(f"{len(self.xfers)} transfers never completed")
         if problems:
             raise InvariantViolation("; ".join(problems))
+
+
+def _attention_terms(layout: Layout) -> list[tuple[int, int, int]]:
+    """Per group: (kind code, window / chunk / state tokens, KV bytes per token).
+    Kind codes: 0 full, 1 sliding window, 2 chunked local, 3 mamba. Without
+    byte figures every group weighs 1 byte per token."""
+    from sim.layout import GroupKind
+
+    out = []
+    sized = all(layout.kv_bytes_per_block(g) for g in range(len(layout.groups)))
+    for g, spec in enumerate(layout.groups):
+        bpt = max(1, (layout.kv_bytes_per_block(g) or 0) // spec.tokens_per_block) if sized else 1
+        if spec.kind is GroupKind.FULL:
+            out.append((0, 0, bpt))
+        elif spec.kind is GroupKind.SLIDING_WINDOW:
+            assert spec.window is not None
+            out.append((1, spec.window, bpt))
+        elif spec.kind is GroupKind.CHUNKED_LOCAL:
+            assert spec.attention_chunk is not None
+            out.append((2, spec.attention_chunk, bpt))
+        else:
+            out.append((3, spec.tokens_per_block, bpt))
+    return out
 
 
 def simulate(config: EngineConfig, requests: Iterable[Request], recorder: Recorder, *,

@@ -76,7 +76,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("duration_s", "float"),         # of all n_steps
         ("prefill_tokens", "int"),
         ("decode_seqs", "int"),          # per step
-        ("context_tokens", "int"),       # of the first step of the row
+        ("context_tokens", "float"),     # attended context in full-attention token equivalents
         ("running", "int"),
         ("waiting", "int"),
         ("loads", "int"),
