@@ -58,7 +58,7 @@ def test_bad_key_in_scenario(in_tmp: Path, capsys):
 
 def test_bad_unit_in_scenario(in_tmp: Path, capsys):
     f = in_tmp / "s.toml"
-    f.write_text(DEFAULT.read_text().replace('capacity = "16GiB"', 'capacity = "16 gigs"'))
+    f.write_text(DEFAULT.read_text().replace('capacity = "64GiB"', 'capacity = "16 gigs"'))
     code, _, err = run(["run", str(f)], capsys)
     assert code == 2
     one_error_line(err, f"{f}:cpu_cache.capacity: ")
