@@ -143,6 +143,48 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from sim.scenario import parse_size
+
+    try:
+        from sim import copypath
+    except ImportError as exc:  # torch is an optional extra
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        raise InputError("calibrate", "", "torch is not installed", "pip install 'kvsim[torch]'") from None
+
+    def items(option: str, text: str, parse: Any) -> list[int]:
+        try:
+            values = [parse(x) for x in text.split(",") if x.strip()]
+        except ValueError as exc:
+            raise InputError("argument", option, str(exc)) from None
+        if not values or min(values) < 1:
+            raise InputError("argument", option, f"{text!r}", "a comma-separated list of positive values")
+        return values
+
+    chunks = items("--chunk-bytes", args.chunk_bytes, parse_size) if args.chunk_bytes else \
+        list(copypath.DEFAULT_CHUNK_BYTES)
+    batches = items("--batch", args.batch, int) if args.batch else list(copypath.DEFAULT_BATCH_SIZES)
+    if args.repeats < 1:
+        raise InputError("argument", "--repeats", f"{args.repeats}", "a positive integer")
+    try:
+        result = copypath.calibrate(args.device, chunks, batches, args.repeats)
+    except ValueError as exc:
+        raise InputError("calibrate", "", str(exc)) from None
+    snippet = copypath.hardware_snippet(result)
+    print(copypath.format_table(result))
+    print()
+    print(snippet, end="")
+    if args.out:
+        try:
+            copypath.write_text_atomic(Path(args.out), snippet)
+        except OSError as exc:
+            raise InputError("argument", "--out", f"{args.out!r}: {exc.strerror}",
+                             "a writable file path") from None
+        print(f"kvsim: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsim",
@@ -178,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
     p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")
     p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("calibrate", help="measure copy bandwidth of the torch copy path (needs torch)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to copy")
+    p.add_argument("--chunk-bytes", metavar="LIST", help="bytes per chunk, e.g. 64KiB,1MiB,8MiB")
+    p.add_argument("--batch", metavar="LIST", help="chunks per job, e.g. 1,16,64,256")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per figure (median)")
+    p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE")
+    p.set_defaults(func=_cmd_calibrate)
 
     from sim.traces import add_trace_parser
 
