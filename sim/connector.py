@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Literal, Protocol
 
-from sim.cpu_cache import CacheAssertion, CpuChunkCache, LookupResult, OffloadKey
+from sim.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
 from sim.gpu_cache import NULL_BLOCK_ID, Block
 from sim.layout import GroupSpec, Layout, cdiv
 from sim.windows import WindowProfile
@@ -117,7 +117,7 @@ class ModelledCrashError(Exception):
 class Hazard:
     """A silent misbehaviour of the modelled system (no crash)."""
 
-    kind: Literal["double_load"]
+    kind: Literal["double_load", "unsafe_read"]
     group: int
     chunk: int
 
@@ -147,6 +147,8 @@ class LoadPlan:
     group_sizes: tuple[int, ...]
     block_indices: tuple[int, ...]
     hazards: tuple[Hazard, ...]
+    #: keys read although not ready (assertions stripped): no pin, stale data
+    unsafe: tuple[OffloadKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +204,13 @@ class OffloadingScheduler:
         profile: OLD or NEW behaviour (:mod:`sim.windows`).
         prefix_caching: GPU prefix caching on (enables the being-loaded set).
         offload_prompt_only: store prompt KV only (vLLM's default: True).
+        assertions: False models vLLM run with ``python -O``: the CPU
+            manager's ``prepare_load`` no longer asserts readiness, so a chunk
+            whose store is still in flight is read as it is (no pin, a hazard
+            ``unsafe_read``); a missing chunk still kills vLLM (its lookup
+            returns None and the next attribute access raises), recorded as
+            the ``missing_chunk`` crash with that message. The scheduler's own
+            assertions are kept.
         spec_decode_eagle: EAGLE speculative decoding is on; with no group
             annotated as EAGLE, the profile decides whether all or none are.
     """
@@ -215,11 +224,13 @@ class OffloadingScheduler:
         prefix_caching: bool = True,
         offload_prompt_only: bool = True,
         spec_decode_eagle: bool = False,
+        assertions: bool = True,
     ) -> None:
         self.layout = layout
         self.cpu = cpu
         self.profile = profile
         self.offload_prompt_only = offload_prompt_only
+        self.assertions = assertions
         eagle = [g.eagle for g in layout.groups]
         if spec_decode_eagle and not any(eagle) and profile.unannotated_eagle_means_all:
             eagle = [True] * len(eagle)
@@ -497,23 +508,55 @@ class OffloadingScheduler:
             hazards = tuple(Hazard("double_load", g, j)
                             for k, (g, j) in zip(keys_to_load, chunks, strict=True)
                             if k in self.being_loaded)
+        unsafe: tuple[OffloadKey, ...] = ()
+        pinned = keys_to_load
+        if not self.assertions:
+            unsafe, pinned = self._strip_assertions(req.req_id, keys_to_load, chunks, dst, sizes, firsts)
+            hazards += tuple(Hazard("unsafe_read", g, j)
+                             for k, (g, j) in zip(keys_to_load, chunks, strict=True) if k in unsafe)
         try:
-            slots = self.cpu.prepare_load(keys_to_load)
+            pinned_slots = self.cpu.prepare_load(pinned)
         except CacheAssertion as exc:
             g, j = chunks[keys_to_load.index(exc.key)]
             attempt = LoadPlan(-1, req.req_id, tuple(keys_to_load), tuple(chunks), (), tuple(dst),
                                tuple(sizes), tuple(firsts), hazards)
             crash = ModelledCrash(exc.reason, g, j, exc.message, "prepare_load")
             raise ModelledCrashError(crash, attempt) from None
+        if unsafe:
+            by_key = dict(zip(pinned, pinned_slots, strict=True))
+            slots = tuple(by_key[k] if k in by_key else self.cpu.slot(k) or 0 for k in keys_to_load)
+        else:
+            slots = pinned_slots
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(req.req_id, tuple(keys_to_load), is_store=False)
+        self._jobs[job_id] = _Job(req.req_id, tuple(pinned), is_store=False)
         st.jobs.add(job_id)
         st.next_stored = next_stored
         st.store_quiet = False
         if self.being_loaded is not None:
-            self.being_loaded.update(keys_to_load)
+            self.being_loaded.update(pinned)
         return LoadPlan(job_id, req.req_id, tuple(keys_to_load), tuple(chunks), slots,
-                        tuple(dst), tuple(sizes), tuple(firsts), hazards)
+                        tuple(dst), tuple(sizes), tuple(firsts), hazards, unsafe)
+
+    def _strip_assertions(self, req_id: str, keys: list[OffloadKey], chunks: list[tuple[int, int]],
+                          dst: list[int], sizes: list[int], firsts: list[int]
+                          ) -> tuple[tuple[OffloadKey, ...], list[OffloadKey]]:
+        """``python -O``: split the keys into not-ready ones (read unpinned) and
+        the rest; a missing key still kills vLLM (AttributeError on None)."""
+        state = self.cpu.state
+        unsafe: list[OffloadKey] = []
+        pinned: list[OffloadKey] = []
+        for k, (g, j) in zip(keys, chunks, strict=True):
+            st = state(k)
+            if st is ChunkState.MISSING:
+                attempt = LoadPlan(-1, req_id, tuple(keys), tuple(chunks), (), tuple(dst), tuple(sizes),
+                                   tuple(firsts), ())
+                crash = ModelledCrash("missing_chunk", g, j,
+                                      f"chunk {k!r} is not in the CPU cache: with assertions stripped the "
+                                      "manager's lookup returns None and AttributeError: 'NoneType' object "
+                                      "has no attribute 'ref_cnt' kills the scheduler", "prepare_load")
+                raise ModelledCrashError(crash, attempt)
+            (unsafe if st is ChunkState.PENDING else pinned).append(k)
+        return tuple(unsafe), pinned
 
     @staticmethod
     def _crash(kind: CrashKind, group: int | None, chunk: int | None, message: str,

@@ -102,13 +102,33 @@ from sim.metrics import Recorder, RunSummary
 from sim.windows import profile
 from sim.workload import Request
 
-__all__ = ["EngineConfig", "InvariantViolation", "RunResult", "simulate"]
+__all__ = ["CopyPathConfig", "EngineConfig", "InvariantViolation", "RunResult", "simulate"]
 
 URGENT = 0  #: transfer completions
 NORMAL = 1  #: arrivals (SimPy's default priority)
 LATE = 2    #: engine step boundaries
 
 _Proc = Generator[simpy.Event, Any, Any]
+
+
+@dataclass(frozen=True)
+class CopyPathConfig:
+    """The torch data path (:mod:`sim.copypath`, imported only when set).
+
+    Attributes:
+        mode: ``fingerprint`` (a word per token, for identity) or ``realistic``
+            (the layout's real bytes per block).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        timing: ``model`` (transfer time from the cost model; copies run when
+            a job completes) or ``measured`` (copies run when a job starts and
+            their measured time is the job's duration).
+        memory_limit_bytes: refuse tensors larger than this (None: available memory).
+    """
+
+    mode: Literal["fingerprint", "realistic"] = "fingerprint"
+    device: str = "auto"
+    timing: Literal["model", "measured"] = "model"
+    memory_limit_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,9 @@ class EngineConfig:
     fast_forward: bool = True
     occupancy_interval_s: float = 1.0
     max_sim_time_s: float | None = None
+    #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
+    assertions: bool = True
+    copy_path: CopyPathConfig | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:
@@ -166,6 +189,7 @@ class _At(simpy.Event):
 
 
 _DEFER, _FULL, _REJECTED = "defer", "full", "rejected"
+_U64 = (1 << 64) - 1
 
 # request states
 WAITING, WAITING_FOR_KV, RUNNING, FINISHED, REJECTED, UNFINISHED = range(6)
@@ -200,6 +224,7 @@ class _Live:
         "recomputed_tokens",
         "req",
         "req_id",
+        "salt",
         "scheduled_s",
         "status",
         "store_jobs",
@@ -221,6 +246,8 @@ class _Live:
         # a zero-copy view when the workload hands out arrays (bounded memory
         # for long queues); any other sequence is sliced on demand
         self._all: Sequence[int] = memoryview(hashes) if isinstance(hashes, array) else hashes
+        #: KV content identity of the request's own tail (copy path fingerprints)
+        self.salt = _salt(req.req_id)
         self.status = WAITING
         self.load_job: int | None = None
         self.load_ready = False
@@ -248,6 +275,12 @@ class _Live:
         self.crash: str | None = None
 
     @property
+    def full_hashes(self) -> Sequence[int]:
+        """Hashes of every complete hash block the sequence will have (fingerprints
+        do not depend on when a token was computed)."""
+        return self._all
+
+    @property
     def block_hashes(self) -> Sequence[int]:
         """Hashes of the complete hash blocks of the tokens known so far."""
         return self._all[: self.num_tokens // self._tph]
@@ -268,17 +301,22 @@ class _Xfer:
     end_s: float = math.inf
     flushed: bool = False
     done: simpy.Event | None = None
+    plan: LoadPlan | StorePlan | None = None
 
 
 class _Link:
     """A serial, in-order transfer queue (one direction of the PCIe link)."""
 
     def __init__(self, env: simpy.Environment, name: str, model: TransferModel,
-                 on_done: Callable[[_Xfer], None]) -> None:
+                 on_done: Callable[[_Xfer], None], copy: Callable[[_Xfer], float] | None = None,
+                 measured: bool = False) -> None:
         self.env = env
         self.name = name
         self.model = model
         self.on_done = on_done
+        #: runs a job's real copy: at its start with measured timing, else at its end
+        self.copy = copy
+        self.measured = measured
         self.queue: deque[_Xfer] = deque()
         self.current: _Xfer | None = None
         self.busy_s = 0.0
@@ -311,8 +349,12 @@ class _Link:
             self.current = x
             x.start_s = env.now
             dur = self.model.time(x.nbytes)
+            if self.copy is not None and self.measured:
+                dur = self.copy(x)
             x.end_s = env.now + dur
             yield _At(env, dur, URGENT)
+            if self.copy is not None and not self.measured:
+                self.copy(x)
             self.busy_s += dur
             self.current = None
             self.on_done(x)
@@ -339,14 +381,27 @@ class _Engine:
             self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
-                                            offload_prompt_only=cfg.offload_prompt_only)
+                                            offload_prompt_only=cfg.offload_prompt_only,
+                                            assertions=cfg.assertions)
         self.block_bytes = tuple(layout.kv_bytes_per_block(g) or 0 for g in range(len(layout.groups)))
         self._att = _attention_terms(layout)
         self._bpt_total = sum(bpt for _, _, bpt in self._att)
         self.summary = RunSummary()
         self.completed: list[_Xfer] = []
-        self.h2d = _Link(self.env, "h2d", cfg.h2d, self._completed)
-        self.d2h = _Link(self.env, "d2h", cfg.d2h, self._completed)
+        self.copy: Any = None
+        copy_fn: Callable[[_Xfer], float] | None = None
+        measured = False
+        if cfg.copy_path is not None and cfg.offloading:
+            from sim.copypath import CopyPath
+
+            cp = cfg.copy_path
+            self.copy = CopyPath(layout, cfg.gpu_blocks, max(1, cfg.cpu_capacity_chunks), mode=cp.mode,
+                                 device=cp.device, memory_limit_bytes=cp.memory_limit_bytes)
+            copy_fn = self._run_copy
+            measured = cp.timing == "measured"
+        self._reported: dict[str, set[tuple[int, int]]] = {}
+        self.h2d = _Link(self.env, "h2d", cfg.h2d, self._completed, copy_fn, measured)
+        self.d2h = _Link(self.env, "d2h", cfg.d2h, self._completed, copy_fn, measured)
         self.xfers: dict[int, _Xfer] = {}
         self.running: list[_Live] = []
         self.waiting: deque[_Live] = deque()
@@ -592,6 +647,9 @@ class _Engine:
             yield _At(env, dur, LATE)
         self.deferred_stores.extend(x for x in new_store_x if x.job_id not in flush)
         # 5. output
+        if self.copy is not None:
+            for r, num_new, _ in sched:
+                self._write(r, r.num_computed, r.num_computed + num_new)
         for r, num_new, _ in sched:
             self._advance(r, num_new)
         for r, _, _ in sched:
@@ -715,6 +773,8 @@ class _Engine:
         r.load_job = None
         r.load_ready = False
         r.high_water = max(r.high_water, r.num_computed)
+        if self.copy is not None:
+            self._verify_read(r)
 
     def _commit(self, r: _Live, num_tokens: int) -> None:
         if self.cfg.prefix_caching:
@@ -801,7 +861,7 @@ class _Engine:
 
     def _load_xfer(self, p: LoadPlan) -> _Xfer:
         blocks, nbytes = self._bytes(p.group_sizes)
-        x = _Xfer(p.job_id, p.req_id, "h2d", len(p.keys), blocks, nbytes)
+        x = _Xfer(p.job_id, p.req_id, "h2d", len(p.keys), blocks, nbytes, plan=p)
         self.xfers[p.job_id] = x
         r = self.live[p.req_id]
         r.loaded_bytes += nbytes
@@ -812,7 +872,7 @@ class _Engine:
 
     def _store_xfer(self, p: StorePlan) -> _Xfer:
         blocks, nbytes = self._bytes(p.group_sizes)
-        x = _Xfer(p.job_id, p.req_id, "d2h", len(p.keys), blocks, nbytes)
+        x = _Xfer(p.job_id, p.req_id, "d2h", len(p.keys), blocks, nbytes, plan=p)
         self.xfers[p.job_id] = x
         r = self.live[p.req_id]
         r.stored_bytes += nbytes
@@ -838,7 +898,63 @@ class _Engine:
                 r = self.live.get(req_id)
                 if r is not None and r.load_job == x.job_id:
                     r.load_ready = True
+                    if self.copy is not None and isinstance(x.plan, LoadPlan):
+                        self._verify_load(r, x.plan)
+            x.plan = None
         return len(done)
+
+    # -- the torch data path ---------------------------------------------------------------
+
+    def _run_copy(self, x: _Xfer) -> float:
+        """Execute a transfer job on the tensors; its measured seconds."""
+        p = x.plan
+        assert p is not None
+        if isinstance(p, LoadPlan):
+            return float(self.copy.load(p.group_sizes, p.block_indices, p.dst_block_ids, p.slots))
+        return float(self.copy.store(p.group_sizes, p.block_indices, p.src_block_ids, p.slots))
+
+    def _ids(self, r: _Live) -> list[list[int]]:
+        return [[b.block_id for b in blocks] for blocks in self.gpu.req_blocks[r.req_id]]
+
+    def _write(self, r: _Live, start: int, end: int) -> None:
+        """The step computed tokens [start, end) of ``r``: write their KV fingerprints."""
+        if end > start:
+            self.copy.compute(self._ids(r), r.full_hashes, r.salt, start, end)
+
+    def _verify(self, r: _Live, ranges: list[tuple[int, int]], when: str) -> None:
+        """Check what ``r`` will read; record each bad block once."""
+        seen = self._reported.setdefault(r.req_id, set())
+        for v in self.copy.verify(r.req_id, self._ids(r), r.full_hashes, r.salt, ranges):
+            if (v.group, v.block_index) in seen:
+                continue
+            seen.add((v.group, v.block_index))
+            bpc = self.layout.blocks_per_chunk
+            chunk = v.block_index // bpc
+            keys = self.conn.keys_of(r.req_id, v.group) if self.conn is not None else []
+            key = keys[chunk] if chunk < len(keys) else None
+            self.summary.integrity_violations += 1
+            self._event("integrity", when, r.req_id, v.group, chunk,
+                        f"block {v.block_index} (GPU block {v.block_id}, chunk key {key}) token {v.token}: "
+                        f"expected {v.expected & _U64:#018x}, found {v.found & _U64:#018x}")
+
+    def _verify_load(self, r: _Live, plan: LoadPlan) -> None:
+        """After a load completes: the blocks it filled."""
+        n = r.num_computed
+        ranges = []
+        for g, spec in enumerate(self.layout.groups):
+            bs = spec.tokens_per_block
+            first = plan.block_indices[g] * bs if plan.group_sizes[g] else n
+            ranges.append((min(first, n), n))
+        self._verify(r, ranges, "load")
+
+    def _verify_read(self, r: _Live) -> None:
+        """Before the first step after a load: every block ``r`` will read."""
+        n = r.num_computed
+        ranges = []
+        for g, spec in enumerate(self.layout.groups):
+            first = self.gpu.retained_range(g, n)[0] * spec.tokens_per_block
+            ranges.append((min(first, n), n))
+        self._verify(r, ranges, "read")
 
     # -- decode fast-forward ----------------------------------------------------------------
 
@@ -922,6 +1038,8 @@ class _Engine:
                 if (s := min(r.thr_slots - nc0[i] - 1, r.thr_comp - nc0[i])) < k]
         heapq.heapify(heap)
         new_ids: dict[int, list[list[int]]] = {}
+        copy = self.copy
+        written = list(nc0)     # copy path: tokens written so far, per request
         for s in range(k):
             while heap and heap[0][0] <= s:
                 _, i = heapq.heappop(heap)
@@ -929,6 +1047,9 @@ class _Engine:
                 nc = nc0[i] + s
                 r.num_computed = nc
                 r.num_tokens = nt0[i] + s
+                if copy is not None:    # write what the steps so far computed, before any free
+                    self._write(r, written[i], nc)
+                    written[i] = nc
                 ids = gpu.allocate_more(r.req_id, nc, nc + 1)
                 if ids is None:
                     raise InvariantViolation("fast-forward allocation failed after the dry run")
@@ -942,6 +1063,8 @@ class _Engine:
                     heapq.heappush(heap, (nxt, i))
             yield _At(env, durs[s], LATE)
         for i, r in enumerate(running):
+            if copy is not None:
+                self._write(r, written[i], nc0[i] + k)
             r.num_computed = nc0[i] + k
             r.num_tokens = nt0[i] + k
             r.high_water = r.num_computed
@@ -1083,6 +1206,12 @@ class _Engine:
             problems.append(f"{len(self.xfers)} transfers never completed")
         if problems:
             raise InvariantViolation("; ".join(problems))
+
+
+def _salt(req_id: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _attention_terms(layout: Layout) -> list[tuple[int, int, int]]:

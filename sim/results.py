@@ -488,6 +488,7 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
                 + ")" if summary["engine"].get("deferral_reasons") else "")),
             ("crashes", crash_text),
             ("hazards", hazard_text),
+            ("integrity violations", str(summary.get("integrity_violations", 0))),
         ]
         wl = summary.get("workload")
         if wl is not None:

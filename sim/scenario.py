@@ -36,7 +36,8 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
                           decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
                           tensor_parallel (1)
-    [copy_path]           enabled (false; true is not implemented yet)
+    [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
+                          timing (model | measured), memory_limit
     [output]              occupancy_interval_s (1.0), max_sim_time_s (none)
 
 Derived quantities (documented simplifications)
@@ -433,15 +434,16 @@ class CostsSection(_Strict):
 
 
 class CopyPathSection(_Strict):
-    """``[copy_path]``: the torch data path (a later version)."""
+    """``[copy_path]``: the torch data path (:mod:`sim.copypath`; needs torch)."""
 
-    enabled: bool = Field(default=False, description="run real tensor copies (not implemented yet)")
-
-    @model_validator(mode="after")
-    def _not_yet(self) -> CopyPathSection:
-        if self.enabled:
-            raise _ProblemError("true: the torch copy path is not implemented yet", "false", "enabled")
-        return self
+    enabled: bool = Field(default=False, description="run every transfer on real tensors, verify reads")
+    mode: Literal["fingerprint", "realistic"] = Field(
+        default="fingerprint", description="a word per token, or the layout's real bytes per block")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the GPU tensors live")
+    timing: Literal["model", "measured"] = Field(
+        default="model", description="transfer time from the cost model, or from the measured copies")
+    memory_limit: Size | None = Field(default=None, gt=0,
+                                      description="refuse tensors larger than this (default: available)")
 
 
 class OutputSection(_Strict):
@@ -466,6 +468,7 @@ class RunScenario(_Strict):
     window_logic: Literal["old", "new"] = Field(default="new",
                                                 description="vLLM 0.29.0 (old) or 0.30.0 (new)")
     on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
+    assertions: bool = Field(default=True, description="vLLM's Python assertions; false models python -O")
     model: ModelSection
     hardware: HardwareSection = HardwareSection()
     cpu_cache: CpuCacheSection = CpuCacheSection()
@@ -908,10 +911,13 @@ class RunSpec:
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration."""
-        from sim.engine import EngineConfig
+        from sim.engine import CopyPathConfig, EngineConfig
 
         sc = self.scenario
         s = sc.scheduler
+        cp = sc.copy_path
+        copy = (CopyPathConfig(mode=cp.mode, device=cp.device, timing=cp.timing,
+                               memory_limit_bytes=cp.memory_limit) if cp.enabled else None)
         return EngineConfig(
             layout=self.layout, gpu_blocks=self.gpu_blocks,
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
@@ -920,7 +926,7 @@ class RunSpec:
             eviction=_eviction(sc.cpu_cache.policy), window_logic=sc.window_logic,
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
-            max_sim_time_s=sc.output.max_sim_time_s)
+            max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy)
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
@@ -985,7 +991,8 @@ class RunSpec:
         """The fully resolved scenario as a TOML-ready dict (loads back to the same config)."""
         sc = self.scenario
         out: dict[str, Any] = {"schema": "run/1", "kvsim_version": kvsim_version(), "name": self.name,
-                               "seed": sc.seed, "window_logic": sc.window_logic, "on_crash": sc.on_crash}
+                               "seed": sc.seed, "window_logic": sc.window_logic, "on_crash": sc.on_crash,
+                               "assertions": sc.assertions}
         m = self.model
         model: dict[str, Any] = {"label": m.label}
         for key in ("cost_profile", "params_b", "weights_bytes"):
@@ -1022,7 +1029,7 @@ class RunSpec:
             "step": {"overhead_s": float(c.overhead_s), "prefill_token_s": float(c.prefill_token_s),
                      "decode_seq_s": float(c.decode_seq_s), "context_token_s": float(c.context_token_s)},
             "transfer": sc.costs.transfer, "tensor_parallel": sc.costs.tensor_parallel}
-        out["copy_path"] = sc.copy_path.model_dump()
+        out["copy_path"] = sc.copy_path.model_dump(exclude_none=True)
         out["output"] = sc.output.model_dump(exclude_none=True)
         return out
 

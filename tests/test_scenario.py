@@ -244,10 +244,18 @@ def test_missing_file():
     assert err.source == "/nonexistent/run.toml" and err.problem == "no such file"
 
 
-def test_copy_path_true_is_refused(tmp_path: Path):
-    err = error_of(write(tmp_path, MINIMAL + "[copy_path]\nenabled = true\n"))
-    assert err.key == "copy_path.enabled" and "not implemented yet" in err.problem
-    assert err.allowed == "false"
+def test_copy_path_section_and_assertions(tmp_path: Path):
+    head = MINIMAL.replace('schema = "run/1"', 'schema = "run/1"\nassertions = false')
+    spec = load_run(write(tmp_path, head
+                          + '[copy_path]\nenabled = true\nmode = "realistic"\ntiming = "measured"\n'
+                          'memory_limit = "2GiB"\n'))
+    cfg = spec.engine_config()
+    assert cfg.assertions is False and cfg.copy_path is not None
+    assert (cfg.copy_path.mode, cfg.copy_path.timing, cfg.copy_path.memory_limit_bytes) == (
+        "realistic", "measured", 2 * 2**30)
+    assert load_run(write(tmp_path, MINIMAL, "b.toml")).engine_config().copy_path is None
+    err = error_of(write(tmp_path, MINIMAL + '[copy_path]\nmode = "fast"\n', "c.toml"))
+    assert err.key == "copy_path.mode" and "fingerprint" in err.allowed
 
 
 # -- model: by name, path, inline -------------------------------------------------------------
