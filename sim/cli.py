@@ -39,6 +39,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         if args.logic:
             sc = sc.model_copy(update={"window_logic": args.logic})
+        if args.copy_path:
+            results.append(_replays(sc, source, args.json or args.jsonl))
+            continue
         outcomes, mismatches = evaluate(sc, source)
         failed = failed or bool(mismatches)
         result: Any = outcomes if len(outcomes) > 1 else next(iter(outcomes.values()))
@@ -57,6 +60,25 @@ def _cmd_check(args: argparse.Namespace) -> int:
     elif args.json:
         print(json.dumps(results if batch else results[0], indent=None if batch else 2))
     return 1 if failed else 0
+
+
+def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
+    """``check --copy-path``: the scenario replayed as a run with real copies,
+    under NEW, OLD, and OLD with assertions stripped (``python -O``)."""
+    from sim.replay import replay_check
+
+    out = {"new": replay_check(sc, "new", source=source),
+           "old": replay_check(sc, "old", source=source),
+           "old-O": replay_check(sc, "old", assertions=False, source=source)}
+    if not quiet:
+        for name, r in out.items():
+            c = r["crash"]
+            crash = f"CRASH {c['kind']} (group {c['group']}, chunk {c['chunk']})" if c else "no crash"
+            bad = ", ".join(f"(group {g}, chunk {j})" for g, j in r["violations"]) or "none"
+            hz = ", ".join(f"{k} ({g}, {j})" for k, g, j in r["hazards"]) or "none"
+            print(f"{sc.name or source} [{name}] {r['external_tokens']} tokens loaded, {crash}, "
+                  f"integrity violations: {bad}, hazards: {hz}")
+    return out
 
 
 def _cmd_regress(args: argparse.Namespace) -> int:
@@ -196,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print outcomes as JSON")
     p.add_argument("--jsonl", action="store_true", help="read and write JSON Lines (batch)")
     p.add_argument("--logic", choices=["old", "new", "both"], help="override window_logic")
+    p.add_argument("--copy-path", action="store_true",
+                   help="replay as a run with real tensor copies (needs torch): NEW, OLD, OLD with "
+                        "assertions stripped; report crashes and integrity violations")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("regress", help="run the crash regression library")
