@@ -88,7 +88,7 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import simpy
@@ -175,6 +175,8 @@ class RunResult:
 
     status: Literal["ok", "stopped_on_crash", "time_limit"]
     summary: RunSummary
+    #: check/1 snapshots of the first modelled crashes and hazards
+    reproducers: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _At(simpy.Event):
@@ -419,6 +421,9 @@ class _Engine:
         self._finished_count = 0
         self._stop = self.env.event()
         self.end_s = 0.0
+        #: check/1 snapshots of modelled crashes and hazards (see _reproduce)
+        self.reproducers: list[dict[str, Any]] = []
+        self.max_reproducers = 100
 
     # -- processes ------------------------------------------------------------------
 
@@ -711,6 +716,7 @@ class _Engine:
                 load = conn.update_state_after_alloc(r, alloc.blocks, ext, alloc.null_prefix)
             except ModelledCrashError as exc:
                 self._record_crash(r, exc)
+                self._reproduce(r, local_tokens, "crash", exc.crash.kind, (), ())
                 gpu.free(r.req_id)
                 if self.cfg.on_crash == "stop":
                     self.stop_reason = "stopped_on_crash"
@@ -725,10 +731,14 @@ class _Engine:
                 conn.update_state_after_alloc(r, alloc.blocks, 0, alloc.null_prefix)
             if load is not None:
                 for h in load.hazards:
+                    what = ("is already being loaded" if h.kind == "double_load"
+                            else "is read before its store completed (assertions stripped)")
                     self._event("hazard", h.kind, r.req_id, h.group, h.chunk,
-                                f"chunk ({h.group}, {h.chunk}) is already being loaded")
+                                f"chunk ({h.group}, {h.chunk}) {what}")
                     self.summary.hazards += 1
                     self.summary.hazard_kinds[h.kind] = self.summary.hazard_kinds.get(h.kind, 0) + 1
+                if load.hazards:
+                    self._reproduce(r, local_tokens, "hazard", load.hazards[0].kind, load.keys, load.unsafe)
         for new in alloc.new_block_ids:
             allocated.update(new)
         if r.preemptions == 0 and r.scheduled_s is None:
@@ -848,6 +858,70 @@ class _Engine:
             s.first_crash_s = self.env.now
         self._event("crash", c.kind, r.req_id, -1 if c.group is None else c.group,
                     -1 if c.chunk is None else c.chunk, f"{c.where}: {c.message}")
+
+    def _reproduce(self, r: _Live, local_tokens: int, kind: str, detail: str,
+                   own_load: Sequence[Any], unsafe: Sequence[Any]) -> None:
+        """Snapshot what the request met as a ``check/1`` case (a reproducer):
+        the layout, its length, its local hit and the states of its chunks
+        (before its own load pinned them); expectations as the model gives them
+        in isolation, and whether that matches what happened here."""
+        conn, cpu = self.conn, self.cpu
+        if conn is None or cpu is None or len(self.reproducers) >= self.max_reproducers:
+            return
+        from sim.cpu_cache import ChunkState
+
+        own = set(own_load) - set(unsafe)
+        states: dict[str, dict[str, str]] = {}
+        for g in range(len(self.layout.groups)):
+            names: list[str | None] = []
+            for key in conn.keys_of(r.req_id, g):
+                st = cpu.state(key)
+                if key in own:   # pinned by this request's own load: as it was before
+                    ref = cpu.ref_count(key) or 0
+                    st = ChunkState.LOADING if ref > 1 else ChunkState.READY
+                names.append({ChunkState.READY: "present", ChunkState.PENDING: "pending",
+                              ChunkState.LOADING: "loading"}.get(st))
+            ranges: dict[str, str] = {}
+            j = 0
+            while j < len(names):
+                name = names[j]
+                k = j
+                while k + 1 < len(names) and names[k + 1] == name:
+                    k += 1
+                if name is not None:
+                    ranges[str(j) if k == j else f"{j}..{k}"] = name
+                j = k + 1
+            if ranges:
+                states[str(g)] = ranges
+        groups = []
+        for spec in self.layout.groups:
+            grp: dict[str, Any] = {"kind": str(spec.kind), "tokens_per_block": spec.tokens_per_block}
+            if spec.window is not None:
+                grp["window"] = spec.window
+            if spec.attention_chunk is not None:
+                grp["attention_chunk"] = spec.attention_chunk
+            if spec.extra_retained_tokens:
+                grp["extra_retained_tokens"] = spec.extra_retained_tokens
+            if spec.eagle:
+                grp["eagle"] = True
+            groups.append(grp)
+        count = sum(len(v) for v in states.values())
+        case: dict[str, Any] = {
+            "schema": "check/1",
+            "name": f"{r.req_id}-{detail}",
+            "window_logic": "both",
+            "blocks_per_chunk": self.layout.blocks_per_chunk,
+            "tokens_per_hash": self.layout.tokens_per_hash,
+            "num_tokens": r.num_tokens,
+            "gpu_computed_tokens": local_tokens,
+            "prefix_caching": self.cfg.prefix_caching,
+            "cpu_capacity_chunks": max(100, 4 * sum(len(conn.keys_of(r.req_id, g))
+                                                    for g in range(len(self.layout.groups)))),
+            "groups": groups,
+            "chunk_states": states,
+        }
+        self.reproducers.append({"case": case, "req_id": r.req_id, "t_s": self.env.now, "kind": kind,
+                                 "detail": detail, "logic": self.cfg.window_logic, "stated_chunks": count})
 
     def _event(self, kind: str, detail: str, req_id: str | None, group: int, chunk: int,
                message: str) -> None:
@@ -1176,7 +1250,7 @@ class _Engine:
         status: Literal["ok", "stopped_on_crash", "time_limit"] = self.stop_reason or "ok"
         if status == "ok":
             self._check_invariants()
-        return RunResult(status, s)
+        return RunResult(status, s, self.reproducers)
 
     def _check_invariants(self) -> None:
         problems: list[str] = []

@@ -395,12 +395,57 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
         return RunOutcome("failed", target, {**summary, "status": "failed"}, exc)
     figures = result.summary.figures()
     summary = {"run": header, "end": result.status, **figures}
+    if result.reproducers:
+        summary["reproducers"] = write_reproducers(folder / "reproducers", result.reproducers)
     bad = spec.bad_lines
     if bad is not None:   # workload.skip_bad: never silently dropped
         summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
     info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
     target = writer.finish("ok", summary, scenario_toml, info)
     return RunOutcome("ok", target, {**_clean_floats(summary), "status": "ok"})
+
+
+def write_reproducers(folder: Path, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Write each modelled crash or hazard as a ``check/1`` file.
+
+    The expectations are what the model gives for the case in isolation
+    (``sim.check.run_check`` under both logics); ``reproduced`` says whether
+    the run's own logic gives the outcome the run recorded. (A hazard seen
+    with assertions stripped is a crash in a check, which keeps assertions.)
+    """
+    import tomli_w
+
+    from sim.check import parse_check, run_check
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written, reproduced = [], 0
+    for n, item in enumerate(items):
+        case = dict(item["case"])
+        sc = parse_check(case, f"reproducer {n}")
+        expect: dict[str, Any] = {}
+        for logic in ("old", "new"):
+            out = run_check(sc, logic)
+            e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
+                                 "hazards": sorted({h[0] if isinstance(h, list) else h["kind"]
+                                                    for h in out["hazards"]})}
+            if out["external_tokens"] is None:
+                e["deferred"] = True
+            else:
+                e["external_tokens"] = out["external_tokens"]
+            expect[logic] = e
+        mine = expect[item["logic"]]
+        ok = (mine["crash"] == item["detail"]) if item["kind"] == "crash" else (
+            item["detail"] in mine["hazards"])
+        reproduced += ok
+        case["expect"] = expect
+        name = f"{n:03d}-{item['req_id']}-{item['detail']}.toml"
+        head = (f"# reproducer: {item['kind']} {item['detail']} of request {item['req_id']} at "
+                f"t = {item['t_s']:.6f} s ({item['logic'].upper()} logic) in this run\n"
+                f"# the states of the request's chunks it met, as a check/1 case: kvsim check {name}\n"
+                f"# reproduced in isolation: {'yes' if ok else 'no'}\n")
+        (folder / name).write_text(head + tomli_w.dumps(case))
+        written.append(name)
+    return {"files": written, "reproduced": reproduced, "count": len(items)}
 
 
 class _Guarded:
