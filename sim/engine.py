@@ -934,25 +934,28 @@ class _Engine:
         return sum(sizes), sum(n * b for n, b in zip(sizes, bb, strict=True))
 
     def _load_xfer(self, p: LoadPlan) -> _Xfer:
-        blocks, nbytes = self._bytes(p.group_sizes)
-        x = _Xfer(p.job_id, p.req_id, "h2d", len(p.keys), blocks, nbytes, plan=p)
-        self.xfers[p.job_id] = x
-        r = self.live[p.req_id]
-        r.loaded_bytes += nbytes
-        r.load_jobs += 1
-        self.summary.load_jobs += 1
-        self.summary.loaded_bytes += nbytes
-        return x
+        return self._xfer(p, "h2d")
 
     def _store_xfer(self, p: StorePlan) -> _Xfer:
+        return self._xfer(p, "d2h")
+
+    def _xfer(self, p: LoadPlan | StorePlan, direction: str) -> _Xfer:
+        """A transfer job for a plan; its bytes count for the request and the run."""
         blocks, nbytes = self._bytes(p.group_sizes)
-        x = _Xfer(p.job_id, p.req_id, "d2h", len(p.keys), blocks, nbytes, plan=p)
+        x = _Xfer(p.job_id, p.req_id, direction, len(p.keys), blocks, nbytes, plan=p)
         self.xfers[p.job_id] = x
         r = self.live[p.req_id]
-        r.stored_bytes += nbytes
-        r.store_jobs += 1
-        self.summary.store_jobs += 1
-        self.summary.stored_bytes += nbytes
+        s = self.summary
+        if direction == "h2d":
+            r.loaded_bytes += nbytes
+            r.load_jobs += 1
+            s.load_jobs += 1
+            s.loaded_bytes += nbytes
+        else:
+            r.stored_bytes += nbytes
+            r.store_jobs += 1
+            s.store_jobs += 1
+            s.stored_bytes += nbytes
         return x
 
     def _poll(self) -> int:

@@ -134,10 +134,10 @@ def _json_text(data: Any) -> str:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON (sorted keys, indent 2) through a temporary file and ``os.replace``."""
-    _write_atomic(path, _json_text(data))
+    write_text_atomic(path, _json_text(data))
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` (default permissions), then rename it."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
@@ -207,7 +207,7 @@ class RunWriter:
         """
         if not self.folder.is_dir():
             self.start()
-        _write_atomic(self.folder / "scenario.toml", scenario_toml)
+        write_text_atomic(self.folder / "scenario.toml", scenario_toml)
         write_json_atomic(self.folder / "run_info.json", _clean_floats(run_info))
         write_json_atomic(self.folder / "summary.json", _clean_floats({**summary, "status": status}))
         t = self.target
