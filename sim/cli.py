@@ -152,6 +152,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from sim.compare import compare_runs, format_table
+
+    quiet = args.quiet or not sys.stderr.isatty()
+    result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
+                          progress=not quiet, overwrite=args.overwrite,
+                          verify_reproducers=args.verify_reproducers, argv=sys.argv)
+    print(format_table(result.figures, result.path))
+    if result.status != "ok":
+        for logic, tb in result.errors.items():
+            print(f"kvsim: the {logic.upper()} run failed:", file=sys.stderr)
+            print(tb, file=sys.stderr, end="")
+        print(f"kvsim: a run failed; compare written to {result.path}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from sim.scenario import validate_file
 
@@ -241,6 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", action="store_true", help="also write plots/*.png")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_run, overrides=[])
+
+    p = sub.add_parser("compare", help="run a scenario under OLD and NEW logic and compare (same seed)")
+    p.add_argument("scenario", help="run/1 scenario TOML (its window_logic is replaced per run)")
+    p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>/compare)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty compare folder")
+    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
+                   help="override a scenario key (TOML value); repeatable")
+    p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
+                   help="shorthand for --set seed=N")
+    p.add_argument("--jobs", type=int, default=2, choices=[1, 2],
+                   help="2: both runs in parallel processes (default); 1: one after the other")
+    p.add_argument("--verify-reproducers", action="store_true",
+                   help="replay every reproducer with kvsim check and report whether it reproduces")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_compare, overrides=[])
 
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
     p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")
