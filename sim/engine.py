@@ -421,6 +421,7 @@ class _Engine:
         self._finished_count = 0
         self._stop = self.env.event()
         self.end_s = 0.0
+        self._broke_deadlock = False
         #: check/1 snapshots of modelled crashes and hazards (see _reproduce)
         self.reproducers: list[dict[str, Any]] = []
         self.max_reproducers = 100
@@ -508,6 +509,7 @@ class _Engine:
             if k:
                 return True
         budget = cfg.max_num_batched_tokens
+        self._broke_deadlock = False
         sched: list[tuple[_Live, int, tuple[tuple[int, ...], ...] | None]] = []
         preempted: list[_Live] = []
         allocated: set[int] = set()
@@ -528,6 +530,13 @@ class _Engine:
                 if ids is not None:
                     break
                 victim = running.pop()
+                if victim is r and not running and len(gpu.req_blocks) == 1 and not self.xfers:
+                    # alone with the whole pool and still short: it never fits
+                    gpu.free(r.req_id)
+                    self._reject(r, f"its next prefill chunk does not fit in the GPU block pool "
+                                    f"({self.cfg.gpu_blocks} blocks) even alone")
+                    self._broke_deadlock = True
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is r:
@@ -664,7 +673,7 @@ class _Engine:
         nsteps = 1 if sched else 0
         self.summary.steps += nsteps
         did = bool(sched or loads or stores or admitted or preempted or finished_before
-                   or self.deferred_stores or flush or polled)
+                   or self.deferred_stores or flush or polled or self._broke_deadlock)
         if did:
             self.step_no += 1
             self.summary.step_rows += 1
@@ -762,17 +771,37 @@ class _Engine:
         return num_new, None, None
 
     def _no_room(self, r: _Live) -> str:
-        """The GPU pool cannot take ``r`` now. Normally admission stops (FCFS);
-        with nothing running it never would get room that way: reject ``r`` if
-        it holds the pool alone, else skip it (starvation guard)."""
+        """The GPU pool cannot take ``r`` now. Normally admission stops (FCFS).
+        With nothing running no room would ever come that way: wait while
+        transfers are in flight; reject ``r`` if it holds the pool alone;
+        else other waiting requests (loaded, or partly prefilled) hold blocks
+        that nothing frees: preempt them all and stop admitting this step, so
+        that ``r`` has the pool to itself next step (deadlock breaker: vLLM
+        avoids most of these states with an admission reservation for async
+        loads, which is not modelled)."""
         if self.running:
             return _FULL
-        if all(rid == r.req_id for rid in self.gpu.req_blocks) and not self.xfers:
-            if r.req_id in self.gpu.req_blocks:
-                self.gpu.free(r.req_id)
+        if self.xfers:
+            return _DEFER
+        gpu = self.gpu
+        if all(rid == r.req_id for rid in gpu.req_blocks):
+            if r.req_id in gpu.req_blocks:
+                gpu.free(r.req_id)
             self._reject(r, f"does not fit in the GPU block pool ({self.cfg.gpu_blocks} blocks)")
             return _REJECTED
-        return _DEFER
+        for v in [q for q in self.live.values() if q is not r and q.req_id in gpu.req_blocks]:
+            gpu.free(v.req_id)
+            v.num_computed = 0
+            v.status = WAITING
+            v.load_job = None
+            v.load_ready = False
+            v.preemptions += 1
+            self.summary.preemptions += 1
+            self._event("preempted", "deadlock_break", v.req_id, -1, -1,
+                        f"a waiting request held GPU blocks while {r.req_id} could not get room "
+                        "and nothing was running")
+        self._broke_deadlock = True
+        return _FULL
 
     def _promote(self, r: _Live) -> None:
         """A loaded request leaves WAITING_FOR_KV (spec §9 1.b)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -336,3 +337,42 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
     # a full-attention-only layout keeps the plain token count
     fa_only = _Engine(EngineConfig(layout=FA16, gpu_blocks=10), [], Recorder(MemorySink()), None)
     assert fa_only._attended(777) / fa_only._bpt_total == 777
+
+
+@pytest.mark.parametrize(("trace", "chunks"), [("tiny_pool_hang.csv", 11), ("tiny_pool_deadlock.csv", 15)])
+def test_tiny_gpu_pool_never_hangs(trace: str, chunks: int, tmp_path: Path) -> None:
+    """Found by `kvsim compare` tests: a 300-block pool on the spec §6 layout
+    with 2048-token prefill chunks. A request that cannot take its next chunk
+    even alone used to preempt itself forever (zero step time: a hang); loaded
+    requests holding blocks with nothing running used to deadlock. Now the
+    first is rejected and the second broken by preempting the holders."""
+    from sim.scenario import load_run
+
+    data = Path(__file__).parent / "data" / trace
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(f'''schema = "run/1"
+name = "tiny"
+[model]
+name = "spec6"
+[hardware]
+gpu_blocks = 300
+[cpu_cache]
+chunks = {chunks}
+policy = "arc"
+[scheduler]
+tokens_per_hash = 8
+blocks_per_chunk = 4
+max_num_batched_tokens = 2048
+prefix_caching = false
+[costs]
+step = "zero"
+[workload]
+kind = "trace"
+path = "{data}"
+''')
+    spec = load_run(scenario)
+    res = simulate(spec.engine_config(), spec.requests(), Recorder(MemorySink()))
+    assert res.status == "ok"
+    s = res.summary
+    assert s.requests_arrived == 5 and s.requests_finished + s.requests_rejected == 5
+    assert s.requests_finished >= 2
