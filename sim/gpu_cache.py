@@ -250,14 +250,32 @@ class GpuKVCache:
                 if pool.cached(self._block_hash(g, block_hashes, i)) is not None:
                     return (i + 1) * bs
             return 0
-        # sliding window / chunked local: rightmost run of the blocks the kind
-        # needs at the candidate boundary
-        for end in range(n, 0, -1):
-            first, _ = self.retained_range(g, end * bs)
-            if all(pool.cached(self._block_hash(g, block_hashes, i)) is not None
-                   for i in range(first, end)):
-                return end * bs
-        return 0
+        # sliding window / chunked local: the largest boundary ``end`` whose
+        # retained blocks [first(end), end) are all cached. Scan runs of cached
+        # blocks from the right; first(end) never decreases with end, so within
+        # a run [j, i] only end = i + 1 can qualify. Each block is looked at once.
+        # (A boundary that retains nothing -- a chunked-local boundary on its
+        # attention chunk, or a window of one token -- qualifies as it is.)
+        empty = 0
+        if spec.kind is GroupKind.CHUNKED_LOCAL:
+            for end in range(n, 0, -1):
+                if self.retained_range(g, end * bs)[0] >= end:
+                    empty = end
+                    break
+        elif (spec.window or 0) + spec.extra_retained_tokens <= 1:
+            empty = n
+        i = n - 1
+        while i >= empty:
+            if pool.cached(self._block_hash(g, block_hashes, i)) is None:
+                i -= 1
+                continue
+            j = i
+            while j > 0 and pool.cached(self._block_hash(g, block_hashes, j - 1)) is not None:
+                j -= 1
+            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+                return (i + 1) * bs
+            i = j - 2
+        return empty * bs
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[Block]:
         n = hit // self._bs[g]

@@ -95,3 +95,33 @@ def test_below_thresholds_nothing_changes(layout: Layout, prompt: int, steps: li
         nc += step
     gpu.free("r")
     gpu.pool.check_invariants()
+
+
+def _reference_window_hit(gpu: GpuKVCache, g: int, hashes: list[int], max_tokens: int) -> int:
+    """The plain definition: the largest boundary whose retained blocks are all cached."""
+    bs = gpu.layout.groups[g].tokens_per_block
+    for end in range(max_tokens // bs, 0, -1):
+        first, _ = gpu.retained_range(g, end * bs)
+        if all(gpu.pool.cached((hashes[(i + 1) * (bs // 8) - 1], g)) is not None for i in range(first, end)):
+            return end * bs
+    return 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["sw", "cl"]), st.sampled_from([8, 16]), st.integers(1, 100), st.integers(0, 3),
+       st.integers(1, 4), st.integers(1, 60), st.data())
+def test_window_hit_scan_equals_the_definition(kind: str, bs: int, window: int, extra: int, chunks: int,
+                                               n: int, data: st.DataObject) -> None:
+    g1 = (GroupSpec(GroupKind.SLIDING_WINDOW, bs, window=window, extra_retained_tokens=extra)
+          if kind == "sw" else GroupSpec(GroupKind.CHUNKED_LOCAL, bs, attention_chunk=bs * chunks))
+    gpu = GpuKVCache(Layout.of([GroupSpec(GroupKind.FULL, bs), g1], tokens_per_hash=8, blocks_per_chunk=1),
+                     4000)
+    hashes = list(range(1, n * bs // 8 + 1))
+    cached = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    for i, c in enumerate(cached):
+        if c:
+            b = gpu.pool.get_new_blocks(1)[0]
+            gpu.pool.commit(b, (hashes[(i + 1) * (bs // 8) - 1], 1))
+            gpu.pool.free([b])
+    max_tokens = data.draw(st.integers(0, n * bs))
+    assert gpu._group_hit(1, hashes, max_tokens) == _reference_window_hit(gpu, 1, hashes, max_tokens)
