@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,7 +88,9 @@ def _cmd_regress(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if not root.is_dir():
         raise InputError(str(root), "", "not a directory", "a folder of check/1 TOML files")
-    results = run_library(root)
+    if args.jobs < 1:
+        raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
+    results = run_library(root, jobs=args.jobs)
     if not results:
         raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
     print(format_table(results, root))
@@ -243,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regress", help="run the crash regression library")
     p.add_argument("dir", nargs="?", default="scenarios/crash", help="folder of check/1 files")
     p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
+                   help="worker processes (default: CPU count); results keep file-name order")
     p.set_defaults(func=_cmd_regress)
 
     p = sub.add_parser("run", help="run a scenario (run/1 file) and write results/<name>/")
@@ -289,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sim.traces import add_trace_parser
 
     add_trace_parser(sub)  # kvsim trace stats | fetch | convert
+
+    from sim.fuzz import add_fuzz_parser
+
+    add_fuzz_parser(sub)  # kvsim fuzz --budget N | --runs N
     return parser
 
 

@@ -1,13 +1,16 @@
 """The crash regression library runner (``kvsim regress``).
 
-Every ``check/1`` file under a directory is a regression case: its stated
+Every ``check/1`` file under a directory (subfolders included, e.g. the
+fuzzer's ``fuzz/``) is a regression case: its stated
 expectations under OLD and/or NEW must hold. A case without expectations is
 itself a failure (a case that cannot fail guards nothing).
 """
 
 from __future__ import annotations
 
+import os
 import xml.etree.ElementTree as ET
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,20 @@ def run_case(path: Path) -> CaseResult:
     return res
 
 
-def run_library(root: Path) -> list[CaseResult]:
-    """Run every case under ``root`` in file-name order."""
-    return [run_case(p) for p in iter_check_files(root)]
+def run_library(root: Path, jobs: int | None = None) -> list[CaseResult]:
+    """Run every case under ``root`` and its subfolders, in file-name order.
+
+    Args:
+        root: the library folder.
+        jobs: worker processes (default ``os.cpu_count()``); 1 runs the cases
+            in this process. The results are in file-name order either way.
+    """
+    paths = list(iter_check_files(root))
+    workers = min(jobs or os.cpu_count() or 1, len(paths))
+    if workers <= 1:
+        return [run_case(p) for p in paths]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(run_case, paths, chunksize=max(1, len(paths) // (4 * workers))))
 
 
 def format_table(results: list[CaseResult], root: Path) -> str:
