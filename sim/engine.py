@@ -422,6 +422,7 @@ class _Engine:
         self._stop = self.env.event()
         self.end_s = 0.0
         self._broke_deadlock = False
+        self._loads_this_step = 0
         #: check/1 snapshots of modelled crashes and hazards (see _reproduce)
         self.reproducers: list[dict[str, Any]] = []
         self.max_reproducers = 100
@@ -510,6 +511,7 @@ class _Engine:
                 return True
         budget = cfg.max_num_batched_tokens
         self._broke_deadlock = False
+        self._loads_this_step = 0
         sched: list[tuple[_Live, int, tuple[tuple[int, ...], ...] | None]] = []
         preempted: list[_Live] = []
         allocated: set[int] = set()
@@ -584,6 +586,7 @@ class _Engine:
                     r.scheduled_s = env.now
                 if load is not None:
                     loads.append(load)
+                    self._loads_this_step += 1
                     step_skipped.appendleft(r)
                     continue
                 r.status = RUNNING
@@ -781,7 +784,7 @@ class _Engine:
         loads, which is not modelled)."""
         if self.running:
             return _FULL
-        if self.xfers:
+        if self.xfers or self._loads_this_step:
             return _DEFER
         gpu = self.gpu
         if all(rid == r.req_id for rid in gpu.req_blocks):
@@ -789,7 +792,8 @@ class _Engine:
                 gpu.free(r.req_id)
             self._reject(r, f"does not fit in the GPU block pool ({self.cfg.gpu_blocks} blocks)")
             return _REJECTED
-        for v in [q for q in self.live.values() if q is not r and q.req_id in gpu.req_blocks]:
+        for v in [q for q in self.live.values() if q is not r and q.req_id in gpu.req_blocks
+                  and (q.status != WAITING_FOR_KV or q.load_ready)]:
             gpu.free(v.req_id)
             v.num_computed = 0
             v.status = WAITING
