@@ -926,18 +926,7 @@ class _Engine:
                 j = k + 1
             if ranges:
                 states[str(g)] = ranges
-        groups = []
-        for spec in self.layout.groups:
-            grp: dict[str, Any] = {"kind": str(spec.kind), "tokens_per_block": spec.tokens_per_block}
-            if spec.window is not None:
-                grp["window"] = spec.window
-            if spec.attention_chunk is not None:
-                grp["attention_chunk"] = spec.attention_chunk
-            if spec.extra_retained_tokens:
-                grp["extra_retained_tokens"] = spec.extra_retained_tokens
-            if spec.eagle:
-                grp["eagle"] = True
-            groups.append(grp)
+        groups = [spec.to_dict() for spec in self.layout.groups]
         count = sum(len(v) for v in states.values())
         case: dict[str, Any] = {
             "schema": "check/1",

@@ -128,16 +128,7 @@ class FuzzGroup:
                          self.extra_retained_tokens, self.eagle)
 
     def as_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": str(self.kind), "tokens_per_block": self.tokens_per_block}
-        if self.window is not None:
-            d["window"] = self.window
-        if self.attention_chunk is not None:
-            d["attention_chunk"] = self.attention_chunk
-        if self.extra_retained_tokens:
-            d["extra_retained_tokens"] = self.extra_retained_tokens
-        if self.eagle:
-            d["eagle"] = True
-        return d
+        return self.spec().to_dict()
 
 
 @dataclass(frozen=True, slots=True)

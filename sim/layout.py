@@ -115,6 +115,19 @@ class GroupSpec:
     shape: KVShape | None = None
     bytes_per_block: int | None = None
 
+    def to_dict(self) -> dict[str, object]:
+        """The group as the ``groups`` entries of ``check/1`` files (defaults left out)."""
+        d: dict[str, object] = {"kind": str(self.kind), "tokens_per_block": self.tokens_per_block}
+        if self.window is not None:
+            d["window"] = self.window
+        if self.attention_chunk is not None:
+            d["attention_chunk"] = self.attention_chunk
+        if self.extra_retained_tokens:
+            d["extra_retained_tokens"] = self.extra_retained_tokens
+        if self.eagle:
+            d["eagle"] = True
+        return d
+
     @property
     def is_window_type(self) -> bool:
         """Every kind but full attention takes the suffix-window lookup path."""

@@ -18,15 +18,7 @@ from sim.workload import (
     scale_rate,
     take,
 )
-
-
-def _prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+from tests.test_workload import common_prefix
 
 
 def test_agentic_sessions_share_a_long_prefix_and_append_little() -> None:
@@ -37,7 +29,7 @@ def test_agentic_sessions_share_a_long_prefix_and_append_little() -> None:
     sessions = list(by_session.values())
     # every pair of sessions shares the whole tool prefix (6144 tokens = 384 hashes)
     a, b = sessions[0][0], sessions[1][0]
-    assert _prefix_len(list(a.block_hashes), list(b.block_hashes)) == 6144 // 16
+    assert common_prefix(list(a.block_hashes), list(b.block_hashes)) == 6144 // 16
     # appends are short compared with the context: a later turn extends the previous one
     long = max(sessions, key=len)
     assert len(long) >= 5
