@@ -110,7 +110,7 @@ def test_regress_library_passes_and_writes_junit(tmp_path: Path, capsys):
     junit = tmp_path / "j.xml"
     code, out, _ = run(["regress", str(CRASH), "--junit", str(junit)], capsys)
     assert code == 0, out
-    n = len(list(CRASH.glob("*.toml")))
+    n = len(list(CRASH.rglob("*.toml")))
     assert n >= 30 and f"{n} passed, 0 failed" in out
     assert junit.read_text().count("<testcase") == n
 

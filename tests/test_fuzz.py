@@ -35,7 +35,7 @@ UNALIGNED_OLD = {"crash:missing_chunk", "crash:chunk_not_ready", "hit+double_loa
 
 def library() -> list[FuzzScenario]:
     out = []
-    for path in sorted(CRASH.glob("*.toml")):
+    for path in sorted(CRASH.rglob("*.toml")):
         _, items = load_check_file(path)
         out.append(FuzzScenario.from_check(parse_check(items[0], str(path))))
     return out
