@@ -150,8 +150,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(summary_table(outcome.summary, outcome.folder))
     if args.plots:
-        print("kvsim: --plots: plots are not available yet (sim.plots lands in a later version); skipped",
-              file=sys.stderr)
+        from sim.plots import write_plots
+
+        for path in write_plots(outcome.folder):
+            print(f"plot: {path}")
     return 0
 
 
@@ -298,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sim.fuzz import add_fuzz_parser
 
     add_fuzz_parser(sub)  # kvsim fuzz --budget N | --runs N
+
+    from sim.plots import add_plot_parser
+
+    add_plot_parser(sub)  # kvsim plot RESULTS_DIR [--out DIR]
     return parser
 
 

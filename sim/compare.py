@@ -19,8 +19,9 @@ Folder (``results/<name>/compare/`` unless ``out`` names it)::
     compare.json       the figures of the report (section "timing" is the
                        only one that differs between two compares of the
                        same scenario)
-    compare.png        TTFT CDF of both runs, and counts of crashes, hazards,
-                       integrity violations and deferrals
+    compare.png        OLD left, NEW right (sim.plots.old_vs_new): modelled
+                       crashes / hazards / integrity violations over time,
+                       tokens loaded from the CPU cache, TTFT CDF
     diverged.parquet   one row per request whose outcome differs (columns:
                        :data:`DIVERGED_COLUMNS`), ``how`` says it in words
 
@@ -611,7 +612,9 @@ def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any
     from sim.results import _clean_floats
 
     write_json_atomic(folder / "compare.json", _clean_floats(figures))
-    _plot(folder / "compare.png", runs, figures)
+    from sim.plots import old_vs_new, save_figure
+
+    save_figure(old_vs_new(folder, runs=runs, figures=figures), folder / "compare.png")
     text = markdown_report(_clean_floats(figures))
     tmp = folder / ".compare.md.tmp"
     tmp.write_text(text, encoding="utf-8")
@@ -795,7 +798,7 @@ def markdown_report(figures: dict[str, Any]) -> str:
                     row += f" {yes[v.get('holds')]} | {yes[v.get('reproduces')]} |"
             out.append(row)
         out.append("")
-    out += ["", "![TTFT CDF and event counts, OLD vs NEW](compare.png)", ""]
+    out += ["", "![OLD vs NEW: modelled failures, tokens loaded from the CPU cache, TTFT](compare.png)", ""]
     tm = figures.get("timing", {})
     if tm:
         out += ["## Timing", "",
@@ -805,70 +808,3 @@ def markdown_report(figures: dict[str, Any]) -> str:
                 + f", both {tm.get('wall_clock_s', 0):.2f} s with {tm.get('jobs')} "
                 + ("process" if tm.get("jobs") == 1 else "processes") + ".", ""]
     return "\n".join(out).rstrip() + "\n"
-
-
-# -- the figure -------------------------------------------------------------------------
-
-
-def _plot(path: Path, runs: dict[str, Any], figures: dict[str, Any]) -> None:
-    """``compare.png``: TTFT CDF of both runs, and a bar panel of event counts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"old": "#d62728", "new": "#1f77b4"}
-    names = {"old": "OLD (vLLM 0.29.0)", "new": "NEW (vLLM 0.30.0)"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
-    try:
-        for lg in LOGICS:
-            req = runs[lg].requests
-            ttft = sorted(1000.0 * (float(a) - float(b)) for a, b in
-                          zip(req["first_token_s"], req["arrival_s"], strict=True) if a is not None
-                          and not (isinstance(a, float) and math.isnan(a)))
-            if ttft:
-                ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-                ax1.step([0.0, *ttft], [0.0, *ys], where="post", color=colors[lg],
-                         label=f"{names[lg]}, {len(ttft)} requests", linestyle="-" if lg == "old" else "--")
-        ax1.set_xlabel("time to first token (ms)")
-        ax1.set_ylabel("fraction of requests with TTFT <= x")
-        ax1.set_ylim(0, 1.02)
-        ax1.set_xlim(left=0)
-        ax1.set_title("TTFT distribution")
-        ax1.grid(alpha=0.3)
-        if ax1.lines:
-            ax1.legend(loc="lower right")
-        copy_path = bool(figures["scenario"].get("copy_path"))
-        cats = ["crashes", "hazards", "integrity violations" + ("" if copy_path else "\n(copy path off)"),
-                "deferrals"]
-        cats = [c.replace(" ", "\n", 1) if c.startswith("integrity") else c for c in cats]
-        width = 0.38
-        top = 0.0
-        for i, lg in enumerate(LOGICS):
-            f = figures["runs"][lg]
-            if f["status"] == "ok":
-                vals = [f["crashes"]["count"], f["hazards"]["count"], f["integrity_violations"],
-                        f["deferrals"]["count"]]
-            else:
-                vals = [0, 0, 0, 0]
-            top = max(top, *vals)
-            xs = [k + (i - 0.5) * width for k in range(len(cats))]
-            bars = ax2.bar(xs, vals, width, color=colors[lg], label=names[lg])
-            ax2.bar_label(bars, labels=[str(v) for v in vals], padding=2, fontsize=8)
-        from matplotlib.ticker import MaxNLocator
-
-        ax2.set_xticks(range(len(cats)), cats)
-        ax2.set_ylim(0, max(1.0, top * 1.2))
-        ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax2.set_ylabel("count (whole run)")
-        ax2.set_title("Crashes, hazards, integrity violations, deferrals")
-        ax2.legend(loc="upper right")
-        ax2.margins(y=0.15)
-        sc = figures["scenario"]
-        n, k = figures["diverged"]["requests"], figures["diverged"]["count"]
-        fig.suptitle(f"kvsim compare: {sc['name']} ({Path(sc['source']).name}, seed {sc['seed']}): "
-                     f"OLD vs NEW window logic on the same {n} requests, {k} diverge")
-        fig.tight_layout()
-        fig.savefig(path, format="png", metadata={"Software": None})
-    finally:
-        plt.close(fig)

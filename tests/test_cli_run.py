@@ -178,7 +178,7 @@ def test_run_writes_the_folder(in_tmp: Path, capsys):
     assert info["wall_clock_s"] > 0 and info["versions"]["kvsim"]
 
 
-def test_run_overwrite_and_plots_notice(in_tmp: Path, capsys):
+def test_run_overwrite_and_plots(in_tmp: Path, capsys):
     out_dir = in_tmp / "o"
     assert run(["run", str(DEFAULT), "--out", str(out_dir), *SMALL], capsys)[0] == 0
     code, _, err = run(["run", str(DEFAULT), "--out", str(out_dir), *SMALL], capsys)
@@ -186,7 +186,8 @@ def test_run_overwrite_and_plots_notice(in_tmp: Path, capsys):
     code, _, err = run(["run", str(DEFAULT), "--out", str(out_dir), "--overwrite", "--plots", "--seed", "5",
                         *SMALL], capsys)
     assert code == 0
-    assert "plots are not available yet" in err
+    assert sorted(p.name for p in (out_dir / "plots").iterdir()) == [
+        "link_utilisation.png", "occupancy.png", "ttft_cdf.png"]
     assert tomllib.loads((out_dir / "scenario.toml").read_text())["seed"] == 5
     assert sorted(p.name for p in in_tmp.iterdir()) == ["o"]
 
