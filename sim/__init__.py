@@ -4,8 +4,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sim.results import load_results
+    from sim.sweep import load_sweep
 
-__all__ = ["load_results"]
+__all__ = ["load_results", "load_sweep"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +15,8 @@ def __getattr__(name: str) -> Any:
         from sim.results import load_results
 
         return load_results
+    if name == "load_sweep":
+        from sim.sweep import load_sweep
+
+        return load_sweep
     raise AttributeError(f"module 'sim' has no attribute {name!r}")

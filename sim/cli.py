@@ -301,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fuzz_parser(sub)  # kvsim fuzz --budget N | --runs N
 
+    from sim.sweep import add_sweep_parser
+
+    add_sweep_parser(sub)  # kvsim sweep FILE [--jobs N] [--backend local|ray]
+
     from sim.plots import add_plot_parser
 
     add_plot_parser(sub)  # kvsim plot RESULTS_DIR [--out DIR]

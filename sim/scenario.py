@@ -1259,8 +1259,9 @@ def _describe_run(path: Path) -> str:
 
 
 def _describe_sweep(path: Path) -> str:
-    raise InputError(str(path), "schema", "'sweep/1' is not supported yet", ", ".join(
-        s for s in SCHEMAS if s != "sweep/1"))
+    from sim.sweep import describe_sweep
+
+    return describe_sweep(path)
 
 
 _DESCRIBE.update({"run/1": _describe_run, "model/1": _describe_model, "hardware/1": _describe_hardware,

@@ -551,7 +551,7 @@ def test_validate_unknown_and_missing_schema(tmp_path: Path):
     assert (info.value.key, info.value.problem) == ("schema", "missing")
     with pytest.raises(InputError) as info:
         validate_file(write(tmp_path, 'schema = "sweep/1"\n'))
-    assert "not supported yet" in info.value.problem
+    assert (info.value.key, info.value.problem) == ("sweep", "required table missing")
 
 
 def test_validate_model_and_hardware_errors(tmp_path: Path):
