@@ -236,7 +236,10 @@ def _cdf_axes(ax: Any, samples: Sequence[Any]) -> None:
     ax.set_ylabel("requests with TTFT ≤ x (fraction)")
     ax.set_ylim(0, 1.02)
     if len(pos) and pos.max() / pos.min() > 100:
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
         ax.set_xlabel("time to first token (s, log scale)")
     else:
         ax.set_xlim(left=0)
