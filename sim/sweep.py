@@ -327,6 +327,8 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
 
     p = Path(path)
     source = str(p)
+    if smoke:
+        read_sweep(p, overrides)  # every point of the full sweep is valid, not only the smoke selection
     data = read_toml(p)
     _check_schema(data, source, "sweep/1")
     raw_sweep = data.pop("sweep", None)
