@@ -173,6 +173,18 @@ def test_bad_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert not out.exists()
 
 
+def test_ray_backend_without_ray_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    f = write(tmp_path, BASE + '[sweep]\ngrid = { seed = [1, 2] }\n')
+    out = tmp_path / "out"
+    assert main(["sweep", str(f), "--backend", "ray", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvsim: error: argument:--backend: ray is not installed; "
+                   "allowed: pip install 'kvsim[ray]', or --backend local"]
+    assert not out.exists()
+
+
 # -- failing points, a changed sweep ----------------------------------------------------------------
 
 
