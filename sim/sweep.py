@@ -854,6 +854,7 @@ def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: s
     import logging
 
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         kwargs["address"] = address
     else:
