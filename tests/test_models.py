@@ -289,5 +289,10 @@ def test_simulates_30_requests(path: Path, tmp_path: Path) -> None:
     res = simulate(spec.engine_config(), spec.requests(), Recorder(_Discard()))
     s = res.summary
     assert res.status == "ok"
-    assert s.requests_arrived == s.requests_finished == 30 and s.crashes == 0 and s.integrity_violations == 0
+    assert s.requests_arrived == s.requests_finished == 30 and s.integrity_violations == 0
+    if any(g.extra_retained_tokens for g in mf.groups):
+        # spec §10 E4: NEW (0.30) ignores the MTP-retained tokens too, and CPU hits crash
+        assert s.crashes > 0
+    else:
+        assert s.crashes == 0
     assert s.store_jobs > 0 and s.stored_bytes > 0
