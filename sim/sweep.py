@@ -110,6 +110,7 @@ if TYPE_CHECKING:
     from sim.results import RunResults
 
 __all__ = [
+    "HEAD_COLUMNS",
     "RESOLVED_COLUMNS",
     "Sweep",
     "SweepPoint",
@@ -400,7 +401,10 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
         d["name"] = run_id
         spec = _build_point(d, p, touched, values, origin, index)
         points.append(SweepPoint(index, run_id, values, d, spec, spec.resolved_toml()))
-    name = data.get("name") if isinstance(data.get("name"), str) else p.stem
+    name = data.get("name", p.stem)
+    if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):
+        raise InputError(source, "name", f"{name!r} is invalid",
+                         "letters, digits, '.', '_', '-', starting with a letter or digit")
     keys = tuple(k for k in swept if k not in RESOLVED_COLUMNS)
     folder = p.resolve().parent
     resolved_base = {k: v for k, v in base.items() if k != "schema"}
@@ -464,12 +468,11 @@ def _build_point(data: dict[str, Any], path: Path, touched: dict[str, str], valu
 def describe_sweep(path: Path) -> str:
     """One line for ``kvsim validate``: the sweep's size and what varies (every point validated)."""
     full = read_sweep(path)
-    data = read_toml(path)
-    smoke = data.get("smoke")
+    smoke = read_toml(path).get("smoke")
     extra = ""
     if isinstance(smoke, dict):
-        picked = read_sweep(path, smoke=True)
-        extra = f"; smoke: {len(picked.points)} points"
+        picked = _spread(full.total, int(smoke.get("points") or full.total))
+        extra = f"; smoke: {len(picked)} points"
     keys = ", ".join(full.swept)
     return f"sweep/1: {full.name!r}, {full.total} points over {keys or 'nothing'}{extra}"
 
@@ -861,11 +864,13 @@ def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: s
         kwargs["include_dashboard"] = False
         if jobs is not None:
             kwargs["num_cpus"] = jobs
-    try:
-        ray.init(**kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise InputError("argument", "--address", f"cannot join the Ray cluster {address!r}: {exc}",
-                         "the address printed by `ray start --head`, e.g. 127.0.0.1:6379") from None
+    owned = not ray.is_initialized()  # a caller's own ray.init() session is used and left running
+    if owned:
+        try:
+            ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise InputError("argument", "--address", f"cannot join the Ray cluster {address!r}: {exc}",
+                             "the address printed by `ray start --head`, e.g. 127.0.0.1:6379") from None
     remote = ray.remote(num_cpus=1, max_retries=0)(run_point)
     limit = jobs or len(tasks) or 1
     queue = list(tasks)
@@ -889,7 +894,8 @@ def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: s
                 ray.cancel(ref, force=True)
         raise
     finally:
-        ray.shutdown()
+        if owned:
+            ray.shutdown()
 
 
 # -- reading a sweep back -------------------------------------------------------------------------
