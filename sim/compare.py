@@ -421,6 +421,21 @@ def describe_divergence(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "different finish time only"
 
 
+_TIMING_ONLY = ("different TTFT", "different finish time")
+
+
+def _diverged_figures(diverged: Any, total: int) -> dict[str, Any]:
+    """Counts of the diverging requests and the ones to show: those whose outcome
+    differs (crash, status, hit, reload, deferrals, computed tokens) first, by
+    arrival, then those that differ in timing only (a knock-on effect)."""
+    pairs = list(zip(diverged["req_id"], diverged["how"], strict=True))
+    outcome = [(r, h) for r, h in pairs if not h.startswith(_TIMING_ONLY)]
+    timing = [(r, h) for r, h in pairs if h.startswith(_TIMING_ONLY)]
+    shown = (outcome + timing)[:_REPORT_SHOWN]
+    return {"count": len(pairs), "requests": total, "outcome": len(outcome), "timing_only": len(timing),
+            "first": [{"req_id": r, "how": h} for r, h in shown]}
+
+
 def _rows_by_id(frame: Any) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     cols = [c for c, _ in _OUTCOME if c != "ttft_s"]
@@ -600,10 +615,7 @@ def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any
         "status": status,
         "scenario": scenario,
         "runs": logics,
-        "diverged": {"count": len(diverged), "requests": total,
-                     "first": [{"req_id": r, "how": h} for r, h in
-                               zip(diverged["req_id"][:_REPORT_SHOWN], diverged["how"][:_REPORT_SHOWN],
-                                   strict=True)]},
+        "diverged": _diverged_figures(diverged, total),
         "reproducers": reproducers,
         "verified_reproducers": verify,
         "timing": timing,
@@ -729,7 +741,10 @@ def format_table(figures: dict[str, Any], folder: Path | str | None = None) -> s
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
     d = figures["diverged"]
-    lines.append(f"{'diverging requests':<{w0}}  {d['count']} of {d['requests']}")
+    split = ""
+    if d["count"] and "outcome" in d:
+        split = f" ({d['outcome']} in outcome, {d['timing_only']} in timing only)"
+    lines.append(f"{'diverging requests':<{w0}}  {d['count']} of {d['requests']}{split}")
     for item in d["first"][:_SHOWN]:
         lines.append(f"{'':<{w0}}  {item['req_id']}: {item['how']}")
     if d["count"] > _SHOWN:
@@ -765,8 +780,13 @@ def markdown_report(figures: dict[str, Any]) -> str:
             f"{d['count']} of {d['requests']} requests have a different outcome "
             f"(status, crash, CPU hit or reload, computed tokens, deferrals, first token or finish "
             f"time); all of them in `diverged.parquet`."]
+    if d["count"] and "outcome" in d:
+        out += ["", f"{d['outcome']} differ in outcome (crash, status, CPU hit or reload, deferrals, "
+                    f"computed tokens) and {d['timing_only']} in timing only (a knock-on effect of the "
+                    f"others on the shared engine); the table lists outcome differences first."]
     if d["first"]:
-        shown = "" if d["count"] <= len(d["first"]) else f" (the first {len(d['first'])}, by arrival)"
+        shown = "" if d["count"] <= len(d["first"]) else \
+            f" (the first {len(d['first'])}: outcome differences first, each part by arrival)"
         out += ["", f"| request | how{shown} |", "| --- | --- |"]
         out += [f"| {_md(x['req_id'])} | {_md(x['how'])} |" for x in d["first"]]
     out += ["", "## Reproducers", ""]

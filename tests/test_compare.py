@@ -372,3 +372,17 @@ def test_reproducer_folder_absent_or_present(tmp_path: Path) -> None:
     assert v["holds"] and not v["reproduces"]  # NEW does not crash there
     (tmp_path / "reproducers" / "002-bad-x.toml").write_text("schema = 'check/1'\nnum_tokens = 'x'\n")
     assert verify_reproducer(tmp_path / "reproducers" / "002-bad-x.toml", "old", "crash", "x")["error"]
+
+
+def test_outcome_differences_are_counted_and_listed_before_timing_only() -> None:
+    import pandas as pd
+
+    from sim.compare import _diverged_figures
+
+    frame = pd.DataFrame({"req_id": ["a", "b", "c", "d"],
+                          "how": ["different finish time only",
+                                  "OLD crashed (missing_chunk), NEW loaded nothing",
+                                  "different TTFT only", "NEW deferred 2 times"]})
+    d = _diverged_figures(frame, 10)
+    assert (d["count"], d["requests"], d["outcome"], d["timing_only"]) == (4, 10, 2, 2)
+    assert [x["req_id"] for x in d["first"]] == ["b", "d", "a", "c"]
