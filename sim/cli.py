@@ -319,6 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"kvsim: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`kvsim check --json ... | head`): stop quietly, as cat does;
+        # stdout is pointed at devnull so the interpreter's final flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by SIGPIPE
     return code
 
 

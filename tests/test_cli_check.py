@@ -131,3 +131,12 @@ def test_console_script_and_module_entry_point():
     res = subprocess.run([sys.executable, "-m", "sim.cli", "regress", str(CRASH)],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_closed_pipe_is_not_a_traceback() -> None:
+    # `kvsim check --json FILE | head -c 1`: the reader leaves early
+    path = CRASH / "s6-b3904-left-missing.toml"
+    res = subprocess.run(f"{sys.executable} -m sim.cli check --json {path} | head -c 1",
+                         shell=True, capture_output=True, text=True, check=False)
+    assert res.stdout == "{"
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
