@@ -537,8 +537,11 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
     div = figures.get("diverged", {})
     base = runs["new"].scenario or runs["old"].scenario
     head = run_title(base, logic="OLD vs NEW logic")
-    fig.suptitle(f"{head}\nsame {div.get('requests', '?')} requests, "
-                 f"{div.get('count', '?')} with a different outcome")
+    if "outcome" in div:
+        differ = f"{div['outcome']} with a different outcome, {div['timing_only']} in timing only"
+    else:  # a compare.json written before the split
+        differ = f"{div.get('count', '?')} diverging"
+    fig.suptitle(f"{head}\nsame {div.get('requests', '?')} requests, {differ}")
     return fig
 
 
