@@ -98,6 +98,7 @@ __all__ = [
     "StoreCancelled",
     "StorePlan",
     "capacity_from_bytes",
+    "slot_bytes",
 ]
 
 OffloadKey: TypeAlias = tuple[int, int]
@@ -265,9 +266,15 @@ def capacity_from_bytes(
     for name, value in args.items():
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    return cpu_bytes // slot_bytes(kv_bytes_per_block, blocks_per_chunk, copies, page_bytes)
+
+
+def slot_bytes(kv_bytes_per_block: int, blocks_per_chunk: int, copies: int = 1,
+               page_bytes: int = 4096) -> int:
+    """Host bytes of one chunk slot (spec §3.1): ``blocks_per_chunk`` GPU blocks for
+    each of ``copies`` workers, rounded up to whole pages."""
     chunk_bytes = kv_bytes_per_block * copies * blocks_per_chunk
-    slot_bytes = -(-chunk_bytes // page_bytes) * page_bytes
-    return cpu_bytes // slot_bytes
+    return -(-chunk_bytes // page_bytes) * page_bytes
 
 
 class _Chunk:

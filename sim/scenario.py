@@ -867,6 +867,7 @@ class RunSpec:
         gpu_kv_bytes: bytes given to the KV cache (None when ``gpu_blocks`` is explicit).
         gpu_blocks: GPU block pool size, null block included.
         cpu_chunks: CPU chunk slots.
+        cpu_slot_bytes: host bytes of one chunk slot (all workers, page-rounded).
         step_cost: the step-time model.
         h2d: the load link model.
         d2h: the store link model.
@@ -882,6 +883,7 @@ class RunSpec:
     gpu_kv_bytes: int | None
     gpu_blocks: int
     cpu_chunks: int
+    cpu_slot_bytes: int
     step_cost: StepCostModel
     h2d: TransferModel
     d2h: TransferModel
@@ -894,6 +896,15 @@ class RunSpec:
         """Lines skipped by ``workload.skip_bad`` in the last :meth:`requests`
         stream (a :class:`sim.traces.BadLines`), or None."""
         return self._bad[0] if self._bad else None
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        """The CPU cache in bytes: the capacity given, else chunks x slot bytes;
+        0 without offloading or with no slots."""
+        if not self.scenario.scheduler.offloading or self.cpu_chunks == 0:
+            return 0
+        capacity = self.scenario.cpu_cache.capacity
+        return int(capacity) if capacity is not None else self.cpu_chunks * self.cpu_slot_bytes
 
     @property
     def name(self) -> str:
@@ -1151,17 +1162,17 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
             raise InputError(source, "hardware.gpu_kv_bytes",
                              f"{gpu_kv_bytes} B hold {gpu_blocks} blocks of {block_bytes} B",
                              f"at least {2 * block_bytes} B (2 blocks, the null block included)")
+    from sim.cpu_cache import capacity_from_bytes, slot_bytes
+
     cpu_chunks = 0
     cc = sc.cpu_cache
+    copies = 1 if all(g.mla for g in model.groups) else tp   # MLA caches are replicated, one copy
+    slot = slot_bytes(block_bytes, s.blocks_per_chunk, copies)
     if cc.chunks is not None:
         cpu_chunks = cc.chunks
     elif cc.capacity is not None and cc.capacity > 0:
-        from sim.cpu_cache import capacity_from_bytes
-
-        copies = 1 if all(g.mla for g in model.groups) else tp
         cpu_chunks = capacity_from_bytes(cc.capacity, block_bytes, s.blocks_per_chunk, copies)
         if cpu_chunks == 0:
-            slot = -(-block_bytes * copies * s.blocks_per_chunk // 4096) * 4096  # as capacity_from_bytes
             raise InputError(source, "cpu_cache.capacity", f"{cc.capacity} B hold no chunk slot of {slot} B",
                              f"at least {slot} B, or chunks = 0")
     workload_path: Path | None = None
@@ -1196,7 +1207,8 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
     h2d, d2h = _transfers(sc, hw)
     return RunSpec(source=path, scenario=sc, model=model, hardware=hw, layout=layout,
                    block_bytes=block_bytes, gpu_kv_bytes=gpu_kv_bytes, gpu_blocks=gpu_blocks,
-                   cpu_chunks=cpu_chunks, step_cost=_step_cost(sc, model, hw, source), h2d=h2d, d2h=d2h,
+                   cpu_chunks=cpu_chunks, cpu_slot_bytes=slot,
+                   step_cost=_step_cost(sc, model, hw, source), h2d=h2d, d2h=d2h,
                    workload_path=workload_path)
 
 

@@ -189,7 +189,7 @@ class SweepPoint:
         wl = sc.workload
         workload = Path(wl.path).name if isinstance(wl, MooncakeWorkload) else wl.kind
         return {"model": spec.model.label, "hardware": spec.hardware.name, "workload": workload,
-                "cpu_cache_bytes": _cpu_bytes(spec), "cpu_cache_policy": sc.cpu_cache.policy,
+                "cpu_cache_bytes": spec.cpu_cache_bytes, "cpu_cache_policy": sc.cpu_cache.policy,
                 "window_logic": sc.window_logic, "blocks_per_chunk": sc.scheduler.blocks_per_chunk,
                 "h2d_bytes_per_s": float(spec.hardware.h2d_bandwidth),
                 "d2h_bytes_per_s": float(spec.hardware.d2h_bandwidth), "seed": sc.seed}
@@ -297,18 +297,6 @@ def _absolute(key: str, value: Any, base: Path) -> Any:
             return value  # a shipped profile name
         return str((base / value).resolve())
     return value
-
-
-def _cpu_bytes(spec: RunSpec) -> int:
-    """The CPU cache in bytes: the capacity given, else chunks x slot bytes; 0 without offloading."""
-    sc = spec.scenario
-    if not sc.scheduler.offloading or spec.cpu_chunks == 0:
-        return 0
-    if sc.cpu_cache.capacity is not None:
-        return int(sc.cpu_cache.capacity)
-    copies = 1 if all(g.mla for g in spec.model.groups) else sc.costs.tensor_parallel
-    slot = -(-spec.block_bytes * copies * sc.scheduler.blocks_per_chunk // 4096) * 4096
-    return spec.cpu_chunks * slot
 
 
 def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = (),

@@ -122,6 +122,12 @@ def test_cpu_capacity_in_bytes_follows_spec_3_1(tmp_path: Path):
     assert slot % 4096 == 0
     assert spec.cpu_chunks == 16 * GIB // slot == 7281
     assert spec.cpu_chunks == capacity_from_bytes(16 * GIB, HYBRID_BLOCK, 4)
+    assert spec.cpu_slot_bytes == slot and spec.cpu_cache_bytes == 16 * GIB
+    # given in slots: the bytes those slots take; no offloading: no CPU cache
+    chunks = load_run(write(tmp_path, MINIMAL + "[scheduler]\nblocks_per_chunk = 4\n"))
+    assert chunks.cpu_chunks == 100 and chunks.cpu_cache_bytes == 100 * slot
+    off = load_run(write(tmp_path, text), ["scheduler.offloading=false"])
+    assert off.cpu_cache_bytes == 0
 
 
 def test_tensor_parallel_shards_heads_and_counts_copies(tmp_path: Path):
