@@ -604,34 +604,18 @@ def _varying(df: Any, exclude: Sequence[str] = ()) -> list[str]:
     return keys
 
 
-def _read_sweep(sweep: Any) -> tuple[Any, Path | None]:
-    """(table, folder) from a sweep folder or an already-read ``sweep.parquet`` DataFrame."""
+def _read_sweep(sweep: Any) -> tuple[Any, Path | None, str]:
+    """(table, folder, name) from a sweep folder, a :func:`sim.load_sweep` result
+    or an already-read ``sweep.parquet`` DataFrame."""
     import pandas as pd
 
+    from sim.sweep import SweepResults, load_sweep
+
     if isinstance(sweep, pd.DataFrame):
-        return sweep, None
-    folder = Path(sweep)
-    f = folder / "sweep.parquet"
-    if not f.is_file():
-        raise InputError(str(folder), "", "not a sweep folder (no sweep.parquet)",
-                         "a folder written by kvsim sweep")
-    return pd.read_parquet(f), folder
-
-
-def _sweep_name(folder: Path | None) -> str:
-    import tomllib
-
-    if folder is None:
-        return "sweep"
-    f = folder / "sweep.toml"
-    if f.is_file():
-        try:
-            name = tomllib.loads(f.read_text(encoding="utf-8")).get("name")
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
-            name = None
-        if isinstance(name, str) and name:
-            return name
-    return folder.resolve().name
+        return sweep, None, "sweep"
+    res = sweep if isinstance(sweep, SweepResults) else load_sweep(sweep)
+    name = res.spec.get("name")
+    return res.table, res.path, name if isinstance(name, str) and name else res.path.resolve().name
 
 
 def _ok_points(df: Any) -> tuple[Any, list[str]]:
@@ -647,7 +631,7 @@ def _ok_points(df: Any) -> tuple[Any, list[str]]:
     return df[ok].reset_index(drop=True), names
 
 
-def _sweep_title(df: Any, folder: Path | None, what: str, varying: Sequence[str], skipped: list[str]) -> str:
+def _sweep_title(df: Any, name: str, what: str, varying: Sequence[str], skipped: list[str]) -> str:
     """``"<sweep>: <constant model, hardware, workload, logic>, N points"`` + what + skipped note."""
     parts = []
     for col in ("model", "hardware", "workload", "window_logic"):
@@ -655,7 +639,7 @@ def _sweep_title(df: Any, folder: Path | None, what: str, varying: Sequence[str]
             v = df[col].iloc[0]
             parts.append(f"on {v}" if col == "hardware" else _key_value(col, v))
     text = ", ".join(parts).replace(", on ", " on ")
-    head = f"{_sweep_name(folder)}: {text}" if parts else _sweep_name(folder)
+    head = f"{name}: {text}" if parts else name
     lines = [f"{head} ({len(df)} points)", what]
     if skipped:
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
@@ -815,11 +799,11 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
     skipped and named in the title.
 
     Args:
-        sweep: a sweep folder, or its ``sweep.parquet`` as a DataFrame.
+        sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame.
     """
     import numpy as np
 
-    table, folder = _read_sweep(sweep)
+    table, _, sweep_name = _read_sweep(sweep)
     df, skipped = _ok_points(table)
     keys = _varying(df, exclude=("cpu_cache_bytes", "seed"))
     seeds = "seed" in df.columns and df["seed"].astype(str).nunique() > 1
@@ -867,7 +851,7 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
             title = (title + "\n" if title else "") + "mean of seeds (band: min..max)"
         handles = [ln for ln in axes[0].get_lines() if not ln.get_label().startswith("_")]
         fig.legend(handles=handles, loc="outside right upper", title=title or None)
-    fig.suptitle(_sweep_title(df, folder, "CPU hit rate and recompute saved vs CPU cache size"
+    fig.suptitle(_sweep_title(df, sweep_name, "CPU hit rate and recompute saved vs CPU cache size"
                               + ("" if annotate or not series else " (ring: knee)"), keys, skipped))
     return fig
 
@@ -877,14 +861,14 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     """TTFT CDF of every finished point of a sweep (from each point's ``requests.parquet``).
 
     Args:
-        sweep: a sweep folder, or its ``sweep.parquet`` as a DataFrame (then
+        sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame (then
             ``root`` is the folder its ``run_dir`` values are relative to).
         root: see ``sweep``.
     """
     import numpy as np
     import pyarrow.parquet as pq
 
-    table, folder = _read_sweep(sweep)
+    table, folder, sweep_name = _read_sweep(sweep)
     base = folder if folder is not None else Path(root) if root is not None else Path()
     df, skipped = _ok_points(table)
     keys = _varying(df)
@@ -917,7 +901,7 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     else:
         _note(ax, "no finished point to plot")
     ax.set_title("TTFT distribution per point")
-    fig.suptitle(_sweep_title(df, folder, "TTFT CDF of every point", keys, skipped))
+    fig.suptitle(_sweep_title(df, sweep_name, "TTFT CDF of every point", keys, skipped))
     return fig
 
 
@@ -986,7 +970,7 @@ def write_plots(folder: str | Path, out: str | Path | None = None,
             put(f"{lg}-occupancy.png", occupancy(runs[lg]))
             put(f"{lg}-link_utilisation.png", link_utilisation(runs[lg]))
     else:
-        table, _ = _read_sweep(src)
+        table, _, _ = _read_sweep(src)
         _, skipped = _ok_points(table)
         if skipped and on_note is not None:
             on_note(f"{src}: {len(skipped)} failed point(s) skipped in the plots: {', '.join(skipped)}")
