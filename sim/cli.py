@@ -115,6 +115,20 @@ class _Override(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key", *,
+                         seed: bool = True, logic: bool = False) -> None:
+    """``--set KEY=VALUE`` (repeatable) and its shorthands, all into ``args.overrides``."""
+    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
+                   help=f"override {what} (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable")
+    if seed:
+        p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
+                       help="shorthand for --set seed=N")
+    if logic:
+        p.add_argument("--logic", dest="overrides", action=_Override, key="window_logic",
+                       metavar="old|new", help="shorthand for --set window_logic=...")
+    p.set_defaults(overrides=[])
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import traceback
 
@@ -256,30 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", help="run/1 scenario TOML")
     p.add_argument("--out", metavar="DIR", help="the run folder (default: results/<name>)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty run folder")
-    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
-                   help="override a scenario key (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable")
-    p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
-                   help="shorthand for --set seed=N")
-    p.add_argument("--logic", dest="overrides", action=_Override, key="window_logic", metavar="old|new",
-                   help="shorthand for --set window_logic=...")
+    add_override_options(p, logic=True)
     p.add_argument("--plots", action="store_true", help="also write plots/*.png")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_run, overrides=[])
+    p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("compare", help="run a scenario under OLD and NEW logic and compare (same seed)")
     p.add_argument("scenario", help="run/1 scenario TOML (its window_logic is replaced per run)")
     p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>/compare)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty compare folder")
-    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
-                   help="override a scenario key (TOML value); repeatable")
-    p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
-                   help="shorthand for --set seed=N")
+    add_override_options(p)
     p.add_argument("--jobs", type=int, default=2, choices=[1, 2],
                    help="2: both runs in parallel processes (default); 1: one after the other")
     p.add_argument("--verify-reproducers", action="store_true",
                    help="replay every reproducer with kvsim check and report whether it reproduces")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_compare, overrides=[])
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
     p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")

@@ -280,26 +280,13 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
     except BaseException:
         abort()
         raise
-    _move_into_place(tmp, target)
+    from sim.results import move_into_place
+
+    move_into_place(tmp, target)
     result.path = target
     result.runs = {lg: target / lg for lg in LOGICS}
     result.errors = {lg: str(done[lg]["traceback"]) for lg in LOGICS if done[lg].get("traceback")}
     return result
-
-
-def _move_into_place(tmp: Path, target: Path) -> None:
-    old: Path | None = None
-    if target.exists():
-        if any(target.iterdir()):
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-        else:
-            target.rmdir()
-    tmp.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- figures of one run -----------------------------------------------------------------

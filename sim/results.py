@@ -149,6 +149,23 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a finished temporary folder onto ``target``; an existing (overwritten)
+    target is moved aside first and removed after, so ``target`` is never half written."""
+    old: Path | None = None
+    if target.exists():
+        if any(target.iterdir()):
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            if old.exists():
+                shutil.rmtree(old)
+            target.rename(old)
+        else:
+            target.rmdir()
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _clean_floats(data: Any) -> Any:
     """NaN and infinities as None (strict JSON)."""
     if isinstance(data, float) and not math.isfinite(data):
@@ -210,21 +227,9 @@ class RunWriter:
         write_text_atomic(self.folder / "scenario.toml", scenario_toml)
         write_json_atomic(self.folder / "run_info.json", _clean_floats(run_info))
         write_json_atomic(self.folder / "summary.json", _clean_floats({**summary, "status": status}))
-        t = self.target
-        old: Path | None = None
-        if t.exists():
-            if any(t.iterdir()):
-                old = t.parent / f".{t.name}.old-{os.getpid()}"
-                if old.exists():
-                    shutil.rmtree(old)
-                t.rename(old)
-            else:
-                t.rmdir()
-        self.folder.rename(t)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(self.folder, self.target)
         self._done = True
-        return t
+        return self.target
 
     def abort(self) -> None:
         """Remove the temporary folder (bad input found after the start: nothing is left)."""

@@ -945,7 +945,7 @@ def load_sweep(path: str | Path) -> SweepResults:
 
 def add_sweep_parser(sub: Any) -> None:
     """``kvsim sweep FILE``: run a sweep/1 file."""
-    from sim.cli import _Override
+    from sim.cli import add_override_options
 
     p = sub.add_parser("sweep", help="run a sweep (sweep/1 file): many runs, resumable, one table")
     p.add_argument("file", metavar="FILE", help="sweep/1 TOML")
@@ -959,10 +959,9 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace point folders that no longer match the sweep")
     p.add_argument("--smoke", action="store_true", help="the [smoke] version: few points, small runs")
-    p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
-                   help="override a key of the base scenario (TOML value); repeatable")
+    add_override_options(p, "a key of the base scenario", seed=False)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_sweep, overrides=[])
+    p.set_defaults(func=cmd_sweep)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
