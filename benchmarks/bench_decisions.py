@@ -18,7 +18,7 @@ import argparse
 import platform
 import time
 
-from sim.check import build_world, parse_check
+from sim.io.check import build_world, parse_check
 
 SPEC6_GROUPS = [
     {"kind": "full", "tokens_per_block": 256},

@@ -64,9 +64,9 @@ class _Discard:
 
 def child(case: str, limit: int | None, profile: bool) -> None:
     """Run one case in this process and print one JSON line of figures."""
-    from sim.engine import simulate
-    from sim.metrics import Recorder
-    from sim.scenario import load_run
+    from sim.engine.loop import simulate
+    from sim.engine.metrics import Recorder
+    from sim.io.scenario import load_run
 
     spec = CASES[case]
     sets = list(spec["set"])

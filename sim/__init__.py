@@ -3,8 +3,8 @@
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.results import load_results
-    from sim.sweep import load_sweep
+    from sim.io.results import load_results
+    from sim.tools.sweep import load_sweep
 
 __all__ = ["load_results", "load_sweep"]
 
@@ -12,11 +12,11 @@ __all__ = ["load_results", "load_sweep"]
 def __getattr__(name: str) -> Any:
     """Lazy exports, so that ``import sim`` stays light."""
     if name == "load_results":
-        from sim.results import load_results
+        from sim.io.results import load_results
 
         return load_results
     if name == "load_sweep":
-        from sim.sweep import load_sweep
+        from sim.tools.sweep import load_sweep
 
         return load_sweep
     raise AttributeError(f"module 'sim' has no attribute {name!r}")

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sim.check import evaluate, load_check_file, parse_check, summarize
 from sim.errors import InputError
+from sim.io.check import evaluate, load_check_file, parse_check, summarize
 
 __all__ = ["main"]
 
@@ -66,7 +66,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
     """``check --copy-path``: the scenario replayed as a run with real copies,
     under NEW, OLD, and OLD with assertions stripped (``python -O``)."""
-    from sim.replay import replay_check
+    from sim.tools.replay import replay_check
 
     out = {"new": replay_check(sc, "new", source=source),
            "old": replay_check(sc, "old", source=source),
@@ -83,7 +83,7 @@ def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
 
 
 def _cmd_regress(args: argparse.Namespace) -> int:
-    from sim.regress import format_table, run_library, write_junit
+    from sim.tools.regress import format_table, run_library, write_junit
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -132,8 +132,8 @@ def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key
 def _cmd_run(args: argparse.Namespace) -> int:
     import traceback
 
-    from sim.results import RunWriter, execute, summary_table
-    from sim.scenario import load_run
+    from sim.io.results import RunWriter, execute, summary_table
+    from sim.io.scenario import load_run
 
     spec = load_run(Path(args.scenario), args.overrides or [])
     target = Path(args.out) if args.out else Path("results") / spec.name
@@ -164,7 +164,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(summary_table(outcome.summary, outcome.folder))
     if args.plots:
-        from sim.plots import write_plots
+        from sim.tools.plots import write_plots
 
         for path in write_plots(outcome.folder):
             print(f"plot: {path}")
@@ -172,7 +172,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from sim.compare import compare_runs, format_table
+    from sim.tools.compare import compare_runs, format_table
 
     quiet = args.quiet or not sys.stderr.isatty()
     result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
@@ -189,7 +189,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from sim.scenario import validate_file
+    from sim.io.scenario import validate_file
 
     code = 0
     for name in args.files:
@@ -202,10 +202,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from sim.scenario import parse_size
+    from sim.io.scenario import parse_size
 
     try:
-        from sim import copypath
+        from sim.engine import copypath
     except ImportError as exc:  # torch is an optional extra
         if (exc.name or "").partition(".")[0] != "torch":
             raise
@@ -299,19 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE")
     p.set_defaults(func=_cmd_calibrate)
 
-    from sim.traces import add_trace_parser
+    from sim.io.traces import add_trace_parser
 
     add_trace_parser(sub)  # kvsim trace stats | fetch | convert
 
-    from sim.fuzz import add_fuzz_parser
+    from sim.tools.fuzz import add_fuzz_parser
 
     add_fuzz_parser(sub)  # kvsim fuzz --budget N | --runs N
 
-    from sim.sweep import add_sweep_parser
+    from sim.tools.sweep import add_sweep_parser
 
     add_sweep_parser(sub)  # kvsim sweep FILE [--jobs N] [--backend local|ray]
 
-    from sim.plots import add_plot_parser
+    from sim.tools.plots import add_plot_parser
 
     add_plot_parser(sub)  # kvsim plot RESULTS_DIR [--out DIR]
     return parser

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sim.check import CheckScenario, parse_check
+from sim.io.check import CheckScenario, parse_check
 
 
 @dataclass(frozen=True)

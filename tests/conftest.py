@@ -1,21 +1,13 @@
-"""Shared builders for the clock-free model tests."""
+"""Fixtures shared by every test folder (builders live in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from sim.connector import OffloadingScheduler
-from sim.cpu_cache import CpuChunkCache
-from sim.gpu_cache import GpuKVCache
-from sim.layout import GroupKind, GroupSpec, Layout
-from sim.windows import profile
-
-ROOT = Path(__file__).resolve().parent.parent
-TRACES = ROOT.parent / "shared" / "traces"
+from tests.helpers import TRACES
 
 
 @pytest.fixture
@@ -26,63 +18,3 @@ def traces_dir() -> Path:
             pytest.fail(f"{TRACES} is missing in CI")
         pytest.skip(f"{TRACES} not present")
     return TRACES
-
-
-def fa(bs: int, eagle: bool = False) -> GroupSpec:
-    return GroupSpec(GroupKind.FULL, bs, eagle=eagle)
-
-
-def swa(bs: int, window: int, eagle: bool = False, extra: int = 0) -> GroupSpec:
-    return GroupSpec(GroupKind.SLIDING_WINDOW, bs, window=window, eagle=eagle,
-                     extra_retained_tokens=extra)
-
-
-def cla(bs: int, chunk: int) -> GroupSpec:
-    return GroupSpec(GroupKind.CHUNKED_LOCAL, bs, attention_chunk=chunk)
-
-
-SPEC6 = Layout.of([fa(256), swa(64, 128), swa(8, 128)], tokens_per_hash=8, blocks_per_chunk=4)
-
-
-@dataclass
-class Req:
-    req_id: str
-    block_hashes: list[int]
-    num_tokens: int
-    num_prompt_tokens: int = field(default=0)
-
-    def __post_init__(self) -> None:
-        if not self.num_prompt_tokens:
-            self.num_prompt_tokens = self.num_tokens
-
-
-def make_req(layout: Layout, num_tokens: int, req_id: str = "r", base: int = 1) -> Req:
-    return Req(req_id, list(range(base, base + num_tokens // layout.tokens_per_hash)), num_tokens)
-
-
-@dataclass
-class World:
-    """Layout + CPU cache + GPU cache + scheduler, for one logic."""
-
-    layout: Layout
-    logic: str
-    cpu: CpuChunkCache = field(init=False)
-    gpu: GpuKVCache = field(init=False)
-    sched: OffloadingScheduler = field(init=False)
-    capacity: int = 100
-    gpu_blocks: int = 4096
-
-    def __post_init__(self) -> None:
-        self.cpu = CpuChunkCache(self.capacity)
-        self.gpu = GpuKVCache(self.layout, self.gpu_blocks)
-        self.sched = OffloadingScheduler(self.layout, self.cpu, profile(self.logic))
-
-    def key(self, req: Req, g: int, j: int) -> tuple[int, int]:
-        hpc = self.layout.hashes_per_chunk[g]
-        return (req.block_hashes[(j + 1) * hpc - 1], g)
-
-    def store(self, req: Req, g: int, chunks: range | list[int], complete: bool = True) -> None:
-        keys = [self.key(req, g, j) for j in chunks]
-        assert self.cpu.prepare_store(keys) is not None
-        if complete:
-            self.cpu.complete_store(keys)

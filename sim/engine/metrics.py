@@ -1,0 +1,277 @@
+"""Records of one run: row schemas, a batching recorder, and the run summary.
+
+What it models
+    Nothing of vLLM: this is the simulator's measurement layer. The engine
+    appends immutable rows (plain tuples in the column order of
+    :data:`TABLES`) to a :class:`Recorder`; the recorder hands them to a
+    :class:`Sink` in column batches of at most ``batch_rows`` rows, so that a
+    long run streams to disk and memory stays bounded by the batch size. The
+    Parquet sink lives in :mod:`sim.io.results`; :class:`MemorySink` keeps
+    everything in memory (tests, notebooks).
+
+    Tables (one row per ...):
+
+    * ``requests``: request, written when it leaves the system (finished,
+      rejected, or still in flight when the run stops);
+    * ``steps``: engine step, or run of fast-forwarded decode steps
+      (``n_steps`` > 1);
+    * ``transfers``: load (h2d) or store (d2h) job;
+    * ``occupancy``: sample of CPU chunk states and GPU blocks, taken at the
+      first step boundary at or after every ``occupancy_interval_s``;
+    * ``events``: modelled crashes, hazards, rejections, integrity violations.
+
+    :class:`RunSummary` accumulates the figures of ``summary.json`` on the fly
+    (counts, sums, and the TTFT / TPOT samples for percentiles).
+
+Invariants
+    * every row has exactly the columns of its table, in order;
+    * rows of one table are handed to the sink in the order they were added.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = [
+    "TABLES",
+    "MemorySink",
+    "Recorder",
+    "RunSummary",
+    "Sink",
+    "percentile",
+]
+
+#: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "float", "float?", "bool"
+TABLES: dict[str, tuple[tuple[str, str], ...]] = {
+    "requests": (
+        ("req_id", "str"),
+        ("session_id", "str?"),
+        ("status", "str"),               # finished | rejected | unfinished
+        ("arrival_s", "float"),
+        ("scheduled_s", "float?"),       # first admission (load issued or first prefill step)
+        ("first_token_s", "float?"),
+        ("finish_s", "float?"),
+        ("prompt_tokens", "int"),
+        ("output_tokens", "int"),
+        ("gpu_hit_tokens", "int"),       # local GPU prefix-cache hit at first admission
+        ("cpu_hit_tokens", "int"),       # tokens loaded from the CPU cache at first admission
+        ("cpu_reload_tokens", "int"),    # tokens loaded again after a preemption
+        ("computed_tokens", "int"),      # prefill tokens computed on the GPU (all passes)
+        ("recomputed_tokens", "int"),    # of those, tokens computed again (preemption, dropped hit)
+        ("loaded_bytes", "int"),
+        ("stored_bytes", "int"),
+        ("load_jobs", "int"),
+        ("store_jobs", "int"),
+        ("deferrals", "int"),            # lookups answered "ask again next step"
+        ("preemptions", "int"),
+        ("crash", "str?"),               # kind of the modelled crash this request hit, if any
+    ),
+    "steps": (
+        ("step", "int"),                 # index of the first step of the row
+        ("n_steps", "int"),              # > 1 for fast-forwarded decode runs
+        ("start_s", "float"),
+        ("duration_s", "float"),         # of all n_steps
+        ("prefill_tokens", "int"),
+        ("decode_seqs", "int"),          # per step
+        ("context_tokens", "float"),     # attended context in full-attention token equivalents
+        ("running", "int"),
+        ("waiting", "int"),
+        ("loads", "int"),
+        ("stores", "int"),
+        ("preemptions", "int"),
+        ("gpu_blocks_used", "int"),
+    ),
+    "transfers": (
+        ("job_id", "int"),
+        ("req_id", "str"),
+        ("direction", "str"),            # h2d (load) | d2h (store)
+        ("chunks", "int"),
+        ("blocks", "int"),
+        ("bytes", "int"),
+        ("submit_s", "float"),
+        ("start_s", "float"),
+        ("end_s", "float"),
+        ("flushed", "bool"),             # a store the engine had to wait for (spec §7.6)
+    ),
+    "occupancy": (
+        ("t_s", "float"),
+        ("cpu_present", "int"),
+        ("cpu_pending_store", "int"),
+        ("cpu_loading", "int"),
+        ("cpu_free", "int"),
+        ("gpu_blocks_used", "int"),
+        ("gpu_blocks_cached", "int"),
+        ("running", "int"),
+        ("waiting", "int"),
+        ("waiting_for_kv", "int"),
+        ("h2d_queue", "int"),
+        ("d2h_queue", "int"),
+    ),
+    "events": (
+        ("t_s", "float"),
+        ("kind", "str"),                 # crash | hazard | rejected | integrity
+        ("detail", "str"),               # crash kind / hazard kind / reason
+        ("req_id", "str?"),
+        ("group", "int"),                # -1 when not applicable
+        ("chunk", "int"),                # -1 when not applicable
+        ("message", "str"),
+    ),
+}
+
+
+class Sink(Protocol):
+    """Receives column batches of one table at a time."""
+
+    def write(self, table: str, columns: dict[str, list[Any]]) -> None: ...
+
+
+class MemorySink:
+    """Keeps every batch in memory; :meth:`frames` builds DataFrames."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[str, list[Any]]] = {
+            t: {c: [] for c, _ in cols} for t, cols in TABLES.items()}
+
+    def write(self, table: str, columns: dict[str, list[Any]]) -> None:
+        dst = self.tables[table]
+        for c, values in columns.items():
+            dst[c].extend(values)
+
+    def frames(self) -> dict[str, Any]:
+        """One pandas DataFrame per table."""
+        import pandas as pd
+
+        return {t: pd.DataFrame(cols, columns=[c for c, _ in TABLES[t]])
+                for t, cols in self.tables.items()}
+
+
+class Recorder:
+    """Batches rows per table and flushes them to a :class:`Sink`.
+
+    Args:
+        sink: where batches go.
+        batch_rows: rows per table kept before a flush.
+    """
+
+    def __init__(self, sink: Sink, batch_rows: int = 65_536) -> None:
+        self.sink = sink
+        self.batch_rows = batch_rows
+        self._rows: dict[str, list[tuple[Any, ...]]] = {t: [] for t in TABLES}
+        self._names = {t: tuple(c for c, _ in cols) for t, cols in TABLES.items()}
+        self.rows_written: dict[str, int] = dict.fromkeys(TABLES, 0)
+
+    def add(self, table: str, row: tuple[Any, ...]) -> None:
+        rows = self._rows[table]
+        rows.append(row)
+        if len(rows) >= self.batch_rows:
+            self._flush(table)
+
+    def _flush(self, table: str) -> None:
+        rows = self._rows[table]
+        if not rows:
+            return
+        names = self._names[table]
+        if any(len(r) != len(names) for r in rows):
+            bad = next(r for r in rows if len(r) != len(names))
+            raise ValueError(f"{table} row has {len(bad)} values, the table has {len(names)} columns")
+        cols = {n: list(v) for n, v in zip(names, zip(*rows, strict=True), strict=True)}
+        self.sink.write(table, cols)
+        self.rows_written[table] += len(rows)
+        self._rows[table] = []
+
+    def flush(self) -> None:
+        """Hand every buffered row to the sink."""
+        for t in TABLES:
+            self._flush(t)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation, None if empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class RunSummary:
+    """Figures of a run, accumulated while it runs (``summary.json``)."""
+
+    requests_arrived: int = 0
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    cpu_reload_tokens: int = 0
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    step_rows: int = 0
+    preemptions: int = 0
+    deferrals: int = 0
+    deferral_reasons: dict[str, int] = field(default_factory=dict)
+    load_jobs: int = 0
+    store_jobs: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    h2d_busy_s: float = 0.0
+    d2h_busy_s: float = 0.0
+    flushed_stores: int = 0
+    store_rejections: int = 0
+    crashes: int = 0
+    crash_kinds: dict[str, int] = field(default_factory=dict)
+    first_crash_s: float | None = None
+    hazards: int = 0
+    hazard_kinds: dict[str, int] = field(default_factory=dict)
+    integrity_violations: int = 0
+    sim_time_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+    def figures(self) -> dict[str, Any]:
+        """The summary as a JSON-ready dict (derived rates included)."""
+        prompt = max(1, self.prompt_tokens)
+        loaded = self.cpu_hit_tokens + self.cpu_reload_tokens
+        t = self.sim_time_s
+        out: dict[str, Any] = {
+            "requests": {"arrived": self.requests_arrived, "finished": self.requests_finished,
+                         "rejected": self.requests_rejected},
+            "tokens": {"prompt": self.prompt_tokens, "gpu_hit": self.gpu_hit_tokens,
+                       "cpu_hit": self.cpu_hit_tokens, "cpu_reload": self.cpu_reload_tokens,
+                       "computed": self.computed_tokens,
+                       "recomputed": self.recomputed_tokens, "output": self.output_tokens},
+            # of all prompt tokens, the share found at first admission
+            "gpu_hit_rate": self.gpu_hit_tokens / prompt,
+            "cpu_hit_rate": self.cpu_hit_tokens / prompt,
+            # of all prefill work (loaded from CPU + computed, preemption reloads
+            # and recomputes included), the share the CPU cache served
+            "recompute_saved": loaded / (loaded + self.computed_tokens) if loaded else 0.0,
+            "ttft_s": {f"p{q}": percentile(self.ttft_s, q) for q in (50, 90, 99)},
+            "tpot_s": {"mean": (sum(self.tpot_s) / len(self.tpot_s)) if self.tpot_s else None,
+                       **{f"p{q}": percentile(self.tpot_s, q) for q in (50, 90, 99)}},
+            "throughput": {"requests_per_s": self.requests_finished / t if t > 0 else None,
+                           "output_tokens_per_s": self.output_tokens / t if t > 0 else None},
+            "transfers": {"load_jobs": self.load_jobs, "store_jobs": self.store_jobs,
+                          "h2d_bytes": self.loaded_bytes, "d2h_bytes": self.stored_bytes,
+                          "h2d_utilisation": self.h2d_busy_s / t if t > 0 else None,
+                          "d2h_utilisation": self.d2h_busy_s / t if t > 0 else None,
+                          "flushed_stores": self.flushed_stores,
+                          "store_rejections": self.store_rejections},
+            "engine": {"steps": self.steps, "step_rows": self.step_rows,
+                       "preemptions": self.preemptions, "deferrals": self.deferrals,
+                       "deferral_reasons": dict(sorted(self.deferral_reasons.items()))},
+            "crashes": {"count": self.crashes, "kinds": dict(sorted(self.crash_kinds.items())),
+                        "first_s": self.first_crash_s},
+            "hazards": {"count": self.hazards, "kinds": dict(sorted(self.hazard_kinds.items()))},
+            "integrity_violations": self.integrity_violations,
+            "sim_time_s": t,
+        }
+        return out

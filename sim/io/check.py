@@ -1,0 +1,398 @@
+"""``check/1`` scenarios: one request's lookup, allocation and load plan.
+
+A check scenario states a layout, a prompt length, an optional local GPU
+prefix hit and the CPU chunk states of the groups, and asks what the modelled
+vLLM scheduler does for one new request, under the OLD and/or NEW logic:
+how many tokens it will load (or that it defers), which chunks it passes to
+``prepare_load``, which GPU blocks the load fills, and whether an assertion
+fires (a *modelled crash*, reported as an outcome).
+
+Nothing here decides an outcome: the scenario's state is built in the real
+model objects (:class:`~sim.model.cpu_cache.CpuChunkCache`,
+:class:`~sim.model.gpu_cache.GpuKVCache`, :class:`~sim.model.connector.OffloadingScheduler`)
+and the model is executed.
+
+State construction
+    * ``present``: ``prepare_store`` + ``complete_store``;
+    * ``pending``: ``prepare_store`` only (ref count -1);
+    * ``loading``: present, then ``prepare_load`` by another request (ref 1)
+      and, with GPU prefix caching, in the scheduler's being-loaded set;
+    * ``retry``: absent, and the (asynchronous) tier answers RETRY for it; it
+      counts as missing if a load reaches it (vLLM's CPU manager never answers
+      RETRY);
+    * local hit: the blocks each kind retains at ``gpu_computed_tokens`` are
+      cached, hashed GPU blocks found by the GPU prefix cache.
+    Chunks are stored in (group, chunk) order; one worker; the GPU pool is
+    large enough never to run out.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sim.errors import InputError
+from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
+from sim.model.cpu_cache import CpuChunkCache
+from sim.model.gpu_cache import Block, GpuKVCache
+from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
+from sim.model.windows import profile
+
+__all__ = [
+    "CheckScenario",
+    "compare",
+    "load_check_file",
+    "parse_check",
+    "run_check",
+]
+
+ChunkStateName = Literal["present", "pending", "loading", "retry"]
+Logic = Literal["old", "new"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class CheckGroup(_Strict):
+    """One KV cache group of a check scenario."""
+
+    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(
+        description="attention kind")
+    tokens_per_block: int = Field(gt=0, description="GPU block size in tokens")
+    window: int | None = Field(None, gt=0, description="sliding window in tokens (sliding_window)")
+    attention_chunk: int | None = Field(None, gt=0, description="attention chunk in tokens (chunked_local)")
+    extra_retained_tokens: int = Field(
+        0, ge=0, description="tokens kept left of the window (multi-module MTP)")
+    eagle: bool = Field(False, description="group holds EAGLE/MTP draft KV")
+
+
+class Expectation(_Strict):
+    """Expected outcome under one logic; keys left out are not compared."""
+
+    external_tokens: int | None = Field(None, ge=0, description="tokens to load (not deferred)")
+    deferred: bool | None = Field(None, description="the lookup answers 'ask again later'")
+    load_async: bool | None = None
+    load_keys: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = Field(
+        None, description="sorted [group, chunk] pairs")
+    group_sizes: list[int] | None = None
+    block_indices: list[int] | None = None
+    crash: Literal["none", "missing_chunk", "chunk_not_ready", "assertion"] | None = None
+    hazards: list[Literal["double_load"]] | None = None
+
+
+class CheckScenario(_Strict):
+    """A ``check/1`` scenario (see the module docstring)."""
+
+    schema_: Literal["check/1"] = Field(alias="schema", description="format and version")
+    name: str | None = Field(None, description="optional label")
+    window_logic: Literal["old", "new", "both"] = "both"
+    groups: list[CheckGroup] = Field(min_length=1)
+    blocks_per_chunk: int = Field(1, gt=0)
+    tokens_per_hash: int = Field(gt=0)
+    num_tokens: int = Field(gt=0, description="prompt length in tokens")
+    gpu_computed_tokens: int = Field(0, ge=0, description="local GPU prefix-cache hit")
+    prefix_caching: bool = True
+    cpu_capacity_chunks: int | None = Field(None, gt=0)
+    chunk_states: dict[str, dict[str, ChunkStateName]] = Field(default_factory=dict)
+    expect: dict[Logic, Expectation] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _groups_valid(self) -> CheckScenario:
+        self.layout()  # raises LayoutError, turned into a located error by the caller
+        return self
+
+    def layout(self) -> Layout:
+        return Layout.of(
+            [GroupSpec(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
+                       g.extra_retained_tokens, g.eagle) for g in self.groups],
+            self.tokens_per_hash, self.blocks_per_chunk)
+
+    def logics(self) -> tuple[Logic, ...]:
+        return ("old", "new") if self.window_logic == "both" else (self.window_logic,)
+
+
+def _parse_chunk_range(text: str) -> range | None:
+    lo, sep, hi = text.partition("..")
+    try:
+        a = int(lo)
+        b = int(hi) if sep else a
+    except ValueError:
+        return None
+    if a < 0 or b < a:
+        return None
+    return range(a, b + 1)
+
+
+def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int], ChunkStateName]:
+    """``chunk_states`` as {(group, chunk): state}, validated against the layout."""
+    layout = sc.layout()
+    out: dict[tuple[int, int], ChunkStateName] = {}
+    for gkey, table in sc.chunk_states.items():
+        if not gkey.isdigit() or int(gkey) >= len(sc.groups):
+            raise InputError(source, f"chunk_states.{gkey}", "unknown group",
+                             f"a group index 0..{len(sc.groups) - 1}")
+        g = int(gkey)
+        limit = layout.num_keys(g, sc.num_tokens)
+        for ckey, state in table.items():
+            rng = _parse_chunk_range(ckey)
+            if rng is None:
+                raise InputError(source, f"chunk_states.{gkey}.{ckey}", "not a chunk index or range",
+                                 'a chunk index "14" or an inclusive range "118..121"')
+            if rng[-1] >= limit:
+                raise InputError(source, f"chunk_states.{gkey}.{ckey}",
+                                 f"chunk {rng[-1]} is beyond the prompt's {limit} complete chunks",
+                                 f"chunk indices 0..{limit - 1}")
+            for j in rng:
+                out[(g, j)] = state
+    cap = sc.cpu_capacity_chunks
+    if cap is not None and len(out) > cap:
+        raise InputError(source, "cpu_capacity_chunks",
+                         f"{len(out)} stated chunks exceed the capacity {cap}",
+                         f"at least {len(out)}")
+    local = sc.gpu_computed_tokens
+    if local >= sc.num_tokens or any(local % g.tokens_per_block for g in sc.groups):
+        raise InputError(source, "gpu_computed_tokens", f"{local}",
+                         f"below num_tokens={sc.num_tokens} and a multiple of every tokens_per_block")
+    return out
+
+
+def _located(exc: ValidationError, source: str) -> InputError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return InputError(source, loc, "unknown key", _allowed_keys(err["loc"]))
+    if kind == "missing":
+        return InputError(source, loc, "required key missing")
+    ctx = err.get("ctx") or {}
+    allowed = str(ctx["expected"]) if "expected" in ctx else err["msg"]
+    return InputError(source, loc, f"{err.get('input')!r} is invalid", allowed)
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = CheckScenario
+    if loc and loc[0] == "groups":
+        model = CheckGroup
+    elif loc and loc[0] == "expect":
+        model = Expectation
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    return ", ".join(names)
+
+
+def parse_check(data: Any, source: str) -> CheckScenario:
+    """Validate one scenario object; raise :class:`InputError` with its location."""
+    if not isinstance(data, dict):
+        raise InputError(source, "", "not a check scenario (a table/object)", 'schema = "check/1"')
+    if data.get("schema") != "check/1":
+        raise InputError(source, "schema", f"{data.get('schema')!r}", '"check/1"')
+    try:
+        sc = CheckScenario.model_validate(data)
+    except ValidationError as exc:
+        inner = exc.errors()[0].get("ctx", {}).get("error")
+        if isinstance(inner, LayoutError):
+            raise InputError(source, inner.key, inner.problem, inner.allowed) from None
+        raise _located(exc, source) from None
+    expand_chunk_states(sc, source)
+    return sc
+
+
+def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
+    """Read a check file. Returns ``(is_batch, items)``; raises :class:`InputError`
+    when the file is not a scenario or a list of them."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(source, "", f"cannot read: {exc.strerror}") from None
+    if jsonl:
+        items = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    items.append({"__error__": f"{source}:line {n}: bad JSON: {exc.msg}"})
+        return True, items
+    if path.suffix == ".toml":
+        try:
+            return False, [tomllib.loads(text)]
+        except tomllib.TOMLDecodeError as exc:
+            raise InputError(source, "", f"bad TOML: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(source, f"line {exc.lineno}", f"bad JSON: {exc.msg}",
+                         "a check/1 scenario or a list of them (TOML or JSON)") from None
+    if isinstance(data, list):
+        return True, data
+    if isinstance(data, dict):
+        return False, [data]
+    raise InputError(source, "", "not a scenario or a list of scenarios", "a JSON object or list")
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckRequest:
+    req_id: str
+    block_hashes: list[int]
+    num_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class CheckWorld:
+    """The model objects of one check scenario under one logic, before the decision."""
+
+    cpu: CpuChunkCache
+    gpu: GpuKVCache
+    sched: OffloadingScheduler
+    req: _CheckRequest
+    local_tokens: int
+    local_blocks: tuple[list[Block], ...]
+
+    def decide(self) -> dict[str, Any]:
+        """Lookup + allocation + load plan for the request; the outcome (JSON-ready)."""
+        sched, req, local_tokens = self.sched, self.req, self.local_tokens
+        sched.on_new_request(req)
+        match = sched.get_num_new_matched_tokens(req, local_tokens)
+        out: dict[str, Any] = {
+            "external_tokens": match.tokens, "load_async": False, "load_keys": [],
+            "group_sizes": [], "block_indices": [], "crash": None, "hazards": [],
+        }
+        ext = match.tokens
+        if not ext:
+            return out
+        alloc = self.gpu.allocate_new(req.req_id, self.local_blocks, local_tokens, ext,
+                                      local_tokens + ext)
+        if alloc is None:  # pragma: no cover - the pool is sized never to run out
+            raise RuntimeError("GPU pool exhausted in a check")
+        try:
+            plan = sched.update_state_after_alloc(req, alloc.blocks, ext, alloc.null_prefix)
+        except ModelledCrashError as exc:
+            out["crash"] = exc.crash.as_dict()
+            if exc.attempt is not None:
+                _fill_plan(out, exc.attempt)
+            return out
+        assert plan is not None
+        out["load_async"] = True
+        _fill_plan(out, plan)
+        return out
+
+
+def _fill_plan(out: dict[str, Any], plan: LoadPlan) -> None:
+    out["load_keys"] = sorted([g, j] for g, j in plan.chunks)
+    out["group_sizes"] = list(plan.group_sizes)
+    out["block_indices"] = list(plan.block_indices)
+    out["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk} for h in plan.hazards]
+
+
+def build_world(sc: CheckScenario, logic: Logic, source: str = "<check>") -> CheckWorld:
+    """Build the CPU chunk states, the GPU prefix and the scheduler of a scenario."""
+    layout = sc.layout()
+    states = expand_chunk_states(sc, source)
+    cpu = CpuChunkCache(sc.cpu_capacity_chunks or max(100, len(states)))
+    sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=sc.prefix_caching)
+    hashes = list(range(1, sc.num_tokens // sc.tokens_per_hash + 1))
+    keys = {gj: (hashes[(gj[1] + 1) * layout.hashes_per_chunk[gj[0]] - 1], gj[0]) for gj in states}
+    ordered = sorted(states)
+    stored = [keys[gj] for gj in ordered if states[gj] in ("present", "pending", "loading")]
+    if stored and cpu.prepare_store(stored) is None:  # pragma: no cover - capacity validated
+        raise RuntimeError("could not place the stated chunks")
+    cpu.complete_store([keys[gj] for gj in ordered if states[gj] in ("present", "loading")])
+    loading = [keys[gj] for gj in ordered if states[gj] == "loading"]
+    if loading:
+        cpu.prepare_load(loading)
+        if sched.being_loaded is not None:
+            sched.being_loaded.update(loading)
+    cpu.mark_uncertain([keys[gj] for gj in ordered if states[gj] == "retry"])
+    cpu.take_events()
+
+    num_blocks = 2 + 2 * sum(cdiv(sc.num_tokens, g.tokens_per_block) for g in sc.groups)
+    gpu = GpuKVCache(layout, num_blocks, enable_caching=sc.prefix_caching)
+    local_tokens = sc.gpu_computed_tokens
+    if local_tokens:
+        gpu.seed_prefix(hashes, local_tokens)
+    found, local = gpu.find_hit(hashes, local_tokens)
+    if found != local_tokens:  # pragma: no cover - seeding guarantees the hit
+        raise RuntimeError(f"seeded local hit {local_tokens} found as {found}")
+    req = _CheckRequest("check", hashes, sc.num_tokens, sc.num_tokens)
+    return CheckWorld(cpu, gpu, sched, req, local_tokens, local)
+
+
+def run_check(sc: CheckScenario, logic: Logic, source: str = "<check>") -> dict[str, Any]:
+    """Execute the model for one logic and return the outcome (JSON-ready).
+
+    The outcome has ``external_tokens`` (None when deferred), ``load_async``,
+    ``load_keys`` (sorted [group, chunk]), ``group_sizes``, ``block_indices``,
+    ``crash`` (None or {kind, group, chunk, message}) and ``hazards``.
+    """
+    return build_world(sc, logic, source).decide()
+
+
+def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
+    """Differences between an expectation and an outcome, as readable lines."""
+    diffs: list[str] = []
+
+    def differ(key: str, want: object, got: object) -> None:
+        if want != got:
+            diffs.append(f"{key}: expected {json.dumps(want)}, got {json.dumps(got)}")
+
+    if expect.deferred is not None:
+        differ("deferred", expect.deferred, outcome["external_tokens"] is None)
+    if expect.external_tokens is not None:
+        differ("external_tokens", expect.external_tokens, outcome["external_tokens"])
+    if expect.load_async is not None:
+        differ("load_async", expect.load_async, outcome["load_async"])
+    if expect.load_keys is not None:
+        differ("load_keys", sorted([g, j] for g, j in expect.load_keys), outcome["load_keys"])
+    if expect.group_sizes is not None:
+        differ("group_sizes", expect.group_sizes, outcome["group_sizes"])
+    if expect.block_indices is not None:
+        differ("block_indices", expect.block_indices, outcome["block_indices"])
+    if expect.crash is not None:
+        crash = outcome["crash"]
+        differ("crash", expect.crash, "none" if crash is None else crash["kind"])
+    if expect.hazards is not None:
+        differ("hazards", sorted(expect.hazards), sorted(h["kind"] for h in outcome["hazards"]))
+    return diffs
+
+
+def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """Run every logic the scenario asks for; return outcomes and mismatches."""
+    outcomes: dict[str, dict[str, Any]] = {}
+    mismatches: dict[str, list[str]] = {}
+    for logic in sc.logics():
+        outcomes[logic] = run_check(sc, logic, source)
+        exp = sc.expect.get(logic)
+        if exp is not None:
+            diffs = compare(exp, outcomes[logic])
+            if diffs:
+                mismatches[logic] = diffs
+    return outcomes, mismatches
+
+
+def summarize(outcome: dict[str, Any]) -> str:
+    """One short human line for an outcome."""
+    ext = outcome["external_tokens"]
+    head = "deferred" if ext is None else f"{ext} tokens"
+    if outcome["crash"]:
+        c = outcome["crash"]
+        return f"{head}, CRASH {c['kind']} (group {c['group']}, chunk {c['chunk']})"
+    parts = [head]
+    if outcome["load_async"]:
+        parts.append(f"load {len(outcome['load_keys'])} chunks, sizes {outcome['group_sizes']}")
+    if outcome["hazards"]:
+        parts.append("hazards: " + ", ".join(f"{h['kind']} g{h['group']}c{h['chunk']}"
+                                             for h in outcome["hazards"]))
+    return ", ".join(parts)
+
+
+def iter_check_files(root: Path) -> Iterable[Path]:
+    """Every check file under ``root`` (sorted)."""
+    return sorted(p for p in root.rglob("*.toml") if p.is_file())

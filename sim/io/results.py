@@ -1,0 +1,552 @@
+"""The run folder: streaming Parquet tables, atomic summary files, reading a run back.
+
+What it does
+    :class:`ParquetSink` is the :class:`~sim.engine.metrics.Sink` of a real run: one
+    ``pyarrow.parquet.ParquetWriter`` per table of :data:`~sim.engine.metrics.TABLES`,
+    opened on the first batch with a fixed Arrow schema derived from the
+    table's column types, so a long run streams to disk one batch (one row
+    group) at a time. :class:`RunWriter` owns the folder: it works in a
+    temporary folder beside the target (``.<name>.tmp-<pid>``) and renames it
+    onto the target at the end. :func:`load_results` reads a folder back as
+    pandas DataFrames.
+
+Folder (DESIGN.md, "Results folder")::
+
+    requests.parquet steps.parquet transfers.parquet occupancy.parquet events.parquet
+    summary.json     status "ok" | "failed", and the run's figures
+    scenario.toml    the resolved scenario (kvsim version and seed included)
+    run_info.json    wall-clock time, host, versions, argv: the one file that may
+                     differ between two runs of the same scenario and seed
+
+Determinism
+    Same rows in the same batches give byte-identical Parquet files: the
+    writer options are fixed (zstd, no page index, statistics on), Parquet
+    stores no timestamps, and the only version-dependent bytes are the
+    ``created_by`` string of the pyarrow in use. JSON is written with sorted
+    keys and a trailing newline.
+
+Invariants
+    * a table file always exists after :meth:`ParquetSink.close`, with the
+      table's schema, even when no row was written;
+    * the target folder is either absent, or complete (it appears by rename);
+    * a refused target (non-empty, no ``overwrite``) is left untouched and
+      nothing is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sim.engine.metrics import TABLES
+from sim.errors import InputError
+
+if TYPE_CHECKING:
+    from sim.io.scenario import RunSpec
+    from sim.io.workload import Request
+
+__all__ = [
+    "ParquetSink",
+    "RunOutcome",
+    "RunResults",
+    "RunWriter",
+    "arrow_schema",
+    "execute",
+    "load_results",
+    "summary_table",
+    "write_json_atomic",
+]
+
+#: metrics column type -> (arrow type name, nullable)
+_TYPES: dict[str, tuple[str, bool]] = {
+    "str": ("string", False), "str?": ("string", True), "int": ("int64", False),
+    "float": ("float64", False), "float?": ("float64", True), "bool": ("bool_", False),
+}
+
+#: fixed writer options (see "Determinism" above)
+_WRITER_OPTIONS: dict[str, Any] = {"compression": "zstd", "compression_level": 3, "write_statistics": True,
+                                   "use_dictionary": True, "write_page_index": False}
+
+
+def arrow_schema(table: str) -> Any:
+    """The Arrow schema of one table of :data:`~sim.engine.metrics.TABLES`."""
+    import pyarrow as pa
+
+    fields = []
+    for name, kind in TABLES[table]:
+        type_name, nullable = _TYPES[kind]
+        fields.append(pa.field(name, getattr(pa, type_name)(), nullable=nullable))
+    return pa.schema(fields)
+
+
+class ParquetSink:
+    """Streams column batches to ``<folder>/<table>.parquet`` (a :class:`~sim.engine.metrics.Sink`).
+
+    Args:
+        folder: an existing folder.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._writers: dict[str, Any] = {}
+        self._closed = False
+
+    def _writer(self, table: str) -> Any:
+        w = self._writers.get(table)
+        if w is None:
+            import pyarrow.parquet as pq
+
+            w = pq.ParquetWriter(self.folder / f"{table}.parquet", arrow_schema(table), **_WRITER_OPTIONS)
+            self._writers[table] = w
+        return w
+
+    def write(self, table: str, columns: dict[str, list[Any]]) -> None:
+        """Append one batch of rows (one row group)."""
+        import pyarrow as pa
+
+        if self._closed:
+            raise RuntimeError("ParquetSink is closed")
+        schema = arrow_schema(table)
+        batch = pa.RecordBatch.from_pydict({n: columns[n] for n in schema.names}, schema=schema)
+        self._writer(table).write_batch(batch)
+
+    def close(self) -> None:
+        """Close every writer; tables that got no rows are written empty, with their schema."""
+        if self._closed:
+            return
+        for table in TABLES:
+            self._writer(table)
+        for w in self._writers.values():
+            w.close()
+        self._closed = True
+
+
+def _json_text(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON (sorted keys, indent 2) through a temporary file and ``os.replace``."""
+    write_text_atomic(path, _json_text(data))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` (default permissions), then rename it."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a finished temporary folder onto ``target``; an existing (overwritten)
+    target is moved aside first and removed after, so ``target`` is never half written."""
+    old: Path | None = None
+    if target.exists():
+        if any(target.iterdir()):
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            if old.exists():
+                shutil.rmtree(old)
+            target.rename(old)
+        else:
+            target.rmdir()
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _clean_floats(data: Any) -> Any:
+    """NaN and infinities as None (strict JSON)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {str(k): _clean_floats(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_clean_floats(v) for v in data]
+    return data
+
+
+class RunWriter:
+    """Writes one run folder through a temporary folder beside it.
+
+    Args:
+        target: the run folder (``results/<name>``).
+        overwrite: replace an existing non-empty target.
+
+    Raises:
+        InputError: the target is a file, or a non-empty folder and ``overwrite``
+            is false. Nothing is created then.
+    """
+
+    def __init__(self, target: Path, overwrite: bool = False) -> None:
+        self.target = Path(target)
+        t = self.target
+        if t.exists() and not t.is_dir():
+            raise InputError(str(t), "", "exists and is not a folder", "a new or empty folder")
+        if t.is_dir() and any(t.iterdir()) and not overwrite:
+            raise InputError(str(t), "", "results folder exists and is not empty",
+                             "a new or empty folder, or --overwrite")
+        self.overwrite = overwrite
+        self.folder = t.parent / f".{t.name}.tmp-{os.getpid()}"
+        self._done = False
+
+    def start(self) -> Path:
+        """Create the temporary folder (and the target's parents); return it."""
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        self.folder.mkdir()
+        return self.folder
+
+    def finish(self, status: str, summary: dict[str, Any], scenario_toml: str,
+               run_info: dict[str, Any]) -> Path:
+        """Write the summary files and move the folder onto the target.
+
+        Args:
+            status: ``"ok"`` or ``"failed"``.
+            summary: the figures (and ``error`` when failed); ``status`` is added.
+            scenario_toml: the resolved scenario.
+            run_info: wall-clock facts (the one file allowed to differ between runs).
+
+        Returns:
+            The target folder.
+        """
+        if not self.folder.is_dir():
+            self.start()
+        write_text_atomic(self.folder / "scenario.toml", scenario_toml)
+        write_json_atomic(self.folder / "run_info.json", _clean_floats(run_info))
+        write_json_atomic(self.folder / "summary.json", _clean_floats({**summary, "status": status}))
+        move_into_place(self.folder, self.target)
+        self._done = True
+        return self.target
+
+    def abort(self) -> None:
+        """Remove the temporary folder (bad input found after the start: nothing is left)."""
+        if not self._done and self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass
+class RunResults:
+    """A run folder read back.
+
+    Attributes:
+        path: the folder.
+        requests, steps, transfers, occupancy, events: the tables as DataFrames
+            (columns as in :data:`sim.engine.metrics.TABLES`).
+        summary: ``summary.json``.
+        scenario: ``scenario.toml``, parsed.
+        run_info: ``run_info.json``.
+    """
+
+    path: Path
+    requests: Any
+    steps: Any
+    transfers: Any
+    occupancy: Any
+    events: Any
+    summary: dict[str, Any]
+    scenario: dict[str, Any]
+    run_info: dict[str, Any]
+
+
+def load_results(path: str | Path) -> RunResults:
+    """Read a run folder written by ``kvsim run``.
+
+    A table file that is missing (a run that failed before it wrote anything)
+    reads as an empty DataFrame with the table's columns.
+
+    Raises:
+        InputError: ``path`` is not a run folder (no ``summary.json``).
+    """
+    import tomllib
+
+    import pyarrow.parquet as pq
+
+    folder = Path(path)
+    if not (folder / "summary.json").is_file():
+        raise InputError(str(folder), "", "not a run folder (no summary.json)",
+                         "a folder written by kvsim run")
+    frames: dict[str, Any] = {}
+    for table in TABLES:
+        f = folder / f"{table}.parquet"
+        if f.is_file():
+            frames[table] = pq.read_table(f).to_pandas()
+        else:
+            frames[table] = arrow_schema(table).empty_table().to_pandas()
+    summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    scenario_file = folder / "scenario.toml"
+    scenario = tomllib.loads(scenario_file.read_text(encoding="utf-8")) if scenario_file.is_file() else {}
+    info_file = folder / "run_info.json"
+    run_info = json.loads(info_file.read_text(encoding="utf-8")) if info_file.is_file() else {}
+    return RunResults(path=folder, summary=summary, scenario=scenario, run_info=run_info, **frames)
+
+
+# -- one run, start to finish ------------------------------------------------------------
+
+
+@dataclass
+class RunOutcome:
+    """What :func:`execute` did.
+
+    Attributes:
+        status: ``"ok"`` or ``"failed"`` (as in ``summary.json``).
+        folder: the run folder.
+        summary: the contents of ``summary.json``.
+        error: the exception of a failed run.
+    """
+
+    status: str
+    folder: Path
+    summary: dict[str, Any]
+    error: BaseException | None = None
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("kvsim", "simpy", "pydantic", "pandas", "pyarrow", "numpy", "tqdm", "tomli-w"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _run_info(started: float, wall_s: float, argv: Sequence[str], finished: int) -> dict[str, Any]:
+    import datetime
+    import platform
+    import sys
+
+    return {
+        "started_utc": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
+        "wall_clock_s": wall_s,
+        "requests_per_wall_s": finished / wall_s if wall_s > 0 else None,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": _versions(),
+        "argv": list(argv),
+        "pid": os.getpid(),
+    }
+
+
+def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float], None] | None = None,
+            argv: Sequence[str] = ()) -> RunOutcome:
+    """Run a scenario and write its folder: resolve -> build -> simulate -> finalize.
+
+    The engine's rows stream into the temporary folder; at the end the
+    summary files are written and the folder is renamed onto the target. If
+    the simulation raises, the folder still gets ``summary.json`` with status
+    ``"failed"`` and the error message (and ``KeyboardInterrupt`` and the like
+    are re-raised after that). Bad input found while running (a bad trace
+    line: :class:`InputError`) leaves nothing behind and is re-raised.
+
+    Args:
+        spec: the validated scenario.
+        writer: the folder writer (its target already checked).
+        progress: called with (requests finished, simulated seconds).
+        argv: the command line, for ``run_info.json``.
+    """
+    import time
+    import traceback
+
+    from sim.engine.loop import simulate
+    from sim.engine.metrics import Recorder
+
+    scenario_toml = spec.resolved_toml()
+    config = spec.engine_config()
+    requests = _Guarded(spec.requests())
+    header = {"name": spec.name, "seed": spec.scenario.seed, "window_logic": spec.scenario.window_logic}
+    last = {"requests_finished": 0, "sim_time_s": 0.0}
+
+    def on_progress(finished: int, sim_time_s: float) -> None:
+        last["requests_finished"] = finished
+        last["sim_time_s"] = sim_time_s
+        if progress is not None:
+            progress(finished, sim_time_s)
+
+    started, t0 = time.time(), time.perf_counter()
+    folder = writer.start()
+    sink = ParquetSink(folder)
+    try:
+        result = simulate(config, requests, Recorder(sink), progress=on_progress)
+        sink.close()
+    except BaseException as exc:
+        bad_input = exc if isinstance(exc, InputError) else requests.error
+        if bad_input is not None:  # a bad trace line: bad input, nothing is left behind
+            _close_quietly(sink)
+            writer.abort()
+            raise bad_input from None
+        _close_quietly(sink)
+        summary = {"run": header, "error": traceback.format_exception_only(exc)[-1].strip(),
+                   "progress": dict(last)}
+        info = _run_info(started, time.perf_counter() - t0, argv, int(last["requests_finished"]))
+        target = writer.finish("failed", summary, scenario_toml, info)
+        if not isinstance(exc, Exception):
+            raise
+        return RunOutcome("failed", target, {**summary, "status": "failed"}, exc)
+    figures = result.summary.figures()
+    summary = {"run": header, "end": result.status, **figures}
+    if result.reproducers:
+        summary["reproducers"] = write_reproducers(folder / "reproducers", result.reproducers)
+    bad = spec.bad_lines
+    if bad is not None:   # workload.skip_bad: never silently dropped
+        summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
+    info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
+    target = writer.finish("ok", summary, scenario_toml, info)
+    return RunOutcome("ok", target, {**_clean_floats(summary), "status": "ok"})
+
+
+def write_reproducers(folder: Path, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Write each modelled crash or hazard as a ``check/1`` file.
+
+    The expectations are what the model gives for the case in isolation
+    (``sim.io.check.run_check`` under both logics); ``reproduced`` says whether
+    the run's own logic gives the outcome the run recorded. (A hazard seen
+    with assertions stripped is a crash in a check, which keeps assertions.)
+    """
+    import tomli_w
+
+    from sim.io.check import parse_check, run_check
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written, reproduced = [], 0
+    for n, item in enumerate(items):
+        case = dict(item["case"])
+        sc = parse_check(case, f"reproducer {n}")
+        expect: dict[str, Any] = {}
+        for logic in ("old", "new"):
+            out = run_check(sc, logic)
+            e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
+                                 "hazards": sorted({h[0] if isinstance(h, list) else h["kind"]
+                                                    for h in out["hazards"]})}
+            if out["external_tokens"] is None:
+                e["deferred"] = True
+            else:
+                e["external_tokens"] = out["external_tokens"]
+            expect[logic] = e
+        mine = expect[item["logic"]]
+        ok = (mine["crash"] == item["detail"]) if item["kind"] == "crash" else (
+            item["detail"] in mine["hazards"])
+        reproduced += ok
+        case["expect"] = expect
+        name = f"{n:03d}-{item['req_id']}-{item['detail']}.toml"
+        head = (f"# reproducer: {item['kind']} {item['detail']} of request {item['req_id']} at "
+                f"t = {item['t_s']:.6f} s ({item['logic'].upper()} logic) in this run\n"
+                f"# the states of the request's chunks it met, as a check/1 case: kvsim check {name}\n"
+                f"# reproduced in isolation: {'yes' if ok else 'no'}\n")
+        (folder / name).write_text(head + tomli_w.dumps(case))
+        written.append(name)
+    return {"files": written, "reproduced": reproduced, "count": len(items)}
+
+
+class _Guarded:
+    """Wraps the request stream and keeps the :class:`InputError` it raises.
+
+    The engine consumes the stream inside a SimPy process, and SimPy re-raises
+    a process's exception by re-instantiating it from its ``args``; the
+    original error is kept here so that it is reported as bad input (exit 2)
+    whatever happens to it on the way out.
+    """
+
+    def __init__(self, requests: Iterator[Request]) -> None:
+        self._it = requests
+        self.error: InputError | None = None
+
+    def __iter__(self) -> _Guarded:
+        return self
+
+    def __next__(self) -> Request:
+        try:
+            return next(self._it)
+        except InputError as exc:
+            self.error = exc
+            raise
+
+
+def _close_quietly(sink: ParquetSink) -> None:
+    """Close after a failure; the run's own error is the one to report."""
+    with contextlib.suppress(Exception):
+        sink.close()
+
+
+# -- the printed summary -----------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:{spec}}{unit}"
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{1000 * value:.1f} ms"
+
+
+def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> str:
+    """The figures of ``summary.json`` as plain aligned text."""
+    from sim.io.scenario import human_bytes
+
+    if summary.get("status") == "failed":
+        rows = [("status", "FAILED"), ("error", str(summary.get("error")))]
+    else:
+        req, tr = summary["requests"], summary["transfers"]
+        ttft, tpot, thr = summary["ttft_s"], summary["tpot_s"], summary["throughput"]
+        crashes, hazards = summary["crashes"], summary["hazards"]
+        kinds = ", ".join(f"{k} {v}" for k, v in crashes["kinds"].items())
+        crash_text = str(crashes["count"])
+        if crashes["count"]:
+            crash_text += f" ({kinds}; first at {_fmt(crashes['first_s'], '.3f', ' s')})"
+        hazard_text = str(hazards["count"])
+        if hazards["count"]:
+            hazard_text += " (" + ", ".join(f"{k} {v}" for k, v in hazards["kinds"].items()) + ")"
+        rows = [
+            ("status", f"{summary.get('status', 'ok')} ({summary.get('end', 'ok')})"),
+            ("requests finished / arrived", f"{req['finished']} / {req['arrived']}"
+             + (f" ({req['rejected']} rejected)" if req.get("rejected") else "")),
+            ("simulated time", _fmt(summary.get("sim_time_s"), ".2f", " s")),
+            ("GPU hit rate", _pct(summary["gpu_hit_rate"])),
+            ("CPU hit rate", _pct(summary["cpu_hit_rate"])),
+            ("CPU reloads after preemption", f"{summary['tokens'].get('cpu_reload', 0):,} tokens"),
+            ("recompute saved", _pct(summary["recompute_saved"])),
+            ("TTFT p50 / p90 / p99", " / ".join(_ms(ttft.get(f"p{q}")) for q in (50, 90, 99))),
+            ("TPOT mean / p50", f"{_ms(tpot.get('mean'))} / {_ms(tpot.get('p50'))}"),
+            ("throughput", f"{_fmt(thr['requests_per_s'], '.2f', ' req/s')}, "
+                           f"{_fmt(thr['output_tokens_per_s'], '.1f', ' output tok/s')}"),
+            ("bytes moved H2D / D2H", f"{human_bytes(tr['h2d_bytes'])} / {human_bytes(tr['d2h_bytes'])}"),
+            ("link utilisation H2D / D2H", f"{_pct(tr['h2d_utilisation'])} / {_pct(tr['d2h_utilisation'])}"),
+            ("preemptions", str(summary["engine"]["preemptions"])),
+            ("deferrals", str(summary["engine"]["deferrals"]) + (
+                " (" + ", ".join(f"{k} {v}" for k, v in summary["engine"]["deferral_reasons"].items())
+                + ")" if summary["engine"].get("deferral_reasons") else "")),
+            ("crashes", crash_text),
+            ("hazards", hazard_text),
+            ("integrity violations", str(summary.get("integrity_violations", 0))),
+        ]
+        wl = summary.get("workload")
+        if wl is not None:
+            text = str(wl["bad_lines_skipped"])
+            if wl["bad_line_examples"]:
+                text += " (first: " + wl["bad_line_examples"][0] + ")"
+            rows.append(("bad trace lines skipped", text))
+    if folder is not None:
+        rows.append(("results", str(folder)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

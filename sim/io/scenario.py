@@ -1,0 +1,1301 @@
+"""Scenario files: TOML -> one validated, frozen config tree per run.
+
+What it does
+    Every scenario file names its format as its first key (``schema``).
+    This module declares the ``run/1``, ``model/1`` and ``hardware/1`` formats
+    once, as pydantic models with unknown keys rejected and no silent
+    coercion, and turns a run file into a :class:`RunSpec`: the validated
+    tree plus the objects a run needs (a :class:`~sim.model.layout.Layout`, the GPU
+    pool size, the CPU chunk capacity, the step-time and transfer models, the
+    request stream). Any problem becomes one :class:`~sim.errors.InputError`
+    naming the file, the dotted key (or ``line N``) and what is allowed.
+
+``run/1`` (defaults in parentheses; sizes are byte counts or strings with a
+unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
+``"/s"`` optional; times are seconds in keys ending ``_s``)::
+
+    schema = "run/1"
+    kvsim_version         (none)        informational; written into resolved scenarios
+    name                  (file stem)   results go to results/<name>/
+    seed                  (0)           the only source of randomness
+    window_logic          ("new")       "old" (vLLM 0.29.0) | "new" (vLLM 0.30.0)
+    on_crash              ("record")    "record" | "stop"
+    [model]               exactly one of name (scenarios/models/<name>.toml),
+                          path (relative to this file) or inline groups = [...]
+                          (with an optional label); cost_profile, params_b,
+                          weights_bytes override the model file's
+    [hardware]            profile ("h200": scenarios/hardware/<name>.toml, or a path);
+                          at most one of gpu_kv_bytes / gpu_blocks; overrides of
+                          gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
+    [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
+    [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
+                          prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
+                          offload_prompt_only (true), offloading (true), fast_forward (true)
+    [workload]            kind = "multiturn" (the default; MultiTurnParams fields, limit)
+                          | "mooncake" (path, limit, time_scale (1.0), block_tokens (512))
+    [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
+                          decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
+                          tensor_parallel (1)
+    [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
+                          timing (model | measured), memory_limit
+    [output]              occupancy_interval_s (1.0), max_sim_time_s (none)
+
+Derived quantities (documented simplifications)
+    * **KV bytes per block id.** vLLM's hybrid allocator gives all groups one
+      shared block pool; a block id owns one page in each shared KV tensor,
+      i.e. one block of one group's layers. The bytes a block id stands for
+      are therefore the *largest* per-group block bytes (in vLLM every group
+      has the same page size, so all groups agree; for toy layouts whose
+      groups differ this is the worst case, which is also how spec §3.1 and
+      §8.4 size a CPU slot).
+    * **GPU pool.** ``gpu_blocks = gpu_kv_bytes // block_bytes`` and, as in
+      vLLM, the null block is one of them. ``gpu_kv_bytes`` defaults to
+      ``gpu_memory_utilization x hbm_bytes - weights / tensor_parallel``
+      where the weights are ``weights_bytes``, else ``params_b x 1e9 x 2``
+      (bf16), else 0; activation memory is ignored.
+    * **CPU capacity** (spec §3.1): ``capacity_from_bytes(capacity,
+      block_bytes, blocks_per_chunk, copies)``: one slot holds one chunk of
+      any group, sized for a block id across all KV tensors of one worker
+      times ``blocks_per_chunk``, times ``copies`` = ``tensor_parallel``
+      workers (1 when every group is MLA: replicated single copy).
+    * **Tensor parallelism** shards the KV heads: a worker holds
+      ``max(1, kv_heads // tensor_parallel)`` heads (MLA: 1), so bytes per
+      block, transfer sizes and the GPU pool are per worker.
+    * **Resolved scenario** (:meth:`RunSpec.resolved_toml`, the results
+      folder's ``scenario.toml``): every default filled in, the model inlined
+      (``label`` = its name), hardware values explicit, sizes in bytes, the
+      step model as its four numbers, the trace path absolute. Loading it
+      gives the same engine configuration and request stream.
+    * **Overrides.** ``--set a.b=v`` parses ``v`` as a TOML value (a bare
+      string if that fails) and sets it before validation. Setting one key of
+      an exclusive pair (``cpu_cache.capacity``/``chunks``,
+      ``hardware.gpu_kv_bytes``/``gpu_blocks``, ``model.name``/``path``/
+      ``groups``) drops the other one given in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+from sim.errors import InputError
+from sim.model.layout import DTYPE_BYTES, GroupKind, GroupSpec, KVShape, Layout, LayoutError
+
+if TYPE_CHECKING:
+    from sim.engine.loop import EngineConfig
+    from sim.io.workload import MultiTurnParams, Request
+    from sim.model.costs import StepCostModel, TransferModel
+
+__all__ = [
+    "HardwareFile",
+    "ModelFile",
+    "RunScenario",
+    "RunSpec",
+    "load_run",
+    "parse_bandwidth",
+    "parse_size",
+    "scenarios_dir",
+    "validate_file",
+]
+
+SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
+
+
+def scenarios_dir() -> Path:
+    """The ``scenarios/`` folder shipped beside the ``sim`` package.
+
+    Located from this module's file (``sim.__file__`` is None when an editable
+    install exposes ``sim`` as a namespace package).
+    """
+    return Path(__file__).resolve().parents[2] / "scenarios"
+
+
+# -- units ------------------------------------------------------------------------
+
+_UNITS: dict[str, int] = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+SIZE_ALLOWED = ('an integer number of bytes or a string with a unit, e.g. "64GiB", "500MB" '
+                "(B, kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024)")
+BANDWIDTH_ALLOWED = ('bytes per second as a number, or a string with a unit, e.g. "55GB/s" or "55GB" '
+                     "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; per second)")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+class _ProblemError(ValueError):
+    """A validation problem with its own wording; ``key`` is appended to the location."""
+
+    def __init__(self, problem: str, allowed: str, key: str = "") -> None:
+        super().__init__(f"{problem}; allowed: {allowed}")
+        self.problem = problem
+        self.allowed = allowed
+        self.key = key
+
+
+def _parse_units(value: object, *, per_second: bool) -> int:
+    allowed = BANDWIDTH_ALLOWED if per_second else SIZE_ALLOWED
+    if isinstance(value, bool):
+        raise _ProblemError(f"{value!r} is not a size", allowed)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and per_second and math.isfinite(value):
+        return int(value)
+    if not isinstance(value, str):
+        raise _ProblemError(f"{value!r} is not a size", allowed)
+    text = value.strip()
+    if per_second and text.lower().endswith("/s"):
+        text = text[:-2]
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or (unit and unit not in _UNITS):
+        what = f"unknown unit {m.group(2)!r} in {value!r}" if m else f"{value!r} is not a size"
+        raise _ProblemError(what, allowed)
+    try:
+        number = Decimal(m.group(1))
+    except InvalidOperation:  # pragma: no cover - the pattern only admits decimals
+        raise _ProblemError(f"{value!r} is not a size", allowed) from None
+    return int(number * (_UNITS[unit] if unit else 1))
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"64GiB"`` (= 64 x 2**30) or ``"500MB"`` (= 5e8).
+
+    Raises:
+        ValueError: the value is not a size (the message names the allowed units).
+    """
+    return _parse_units(value, per_second=False)
+
+
+def parse_bandwidth(value: object) -> int:
+    """Bytes per second from a number or a string such as ``"55GB/s"`` or ``"55GB"``.
+
+    Raises:
+        ValueError: the value is not a bandwidth.
+    """
+    return _parse_units(value, per_second=True)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Bandwidth = Annotated[int, BeforeValidator(parse_bandwidth)]
+
+
+def _check_dtype(value: object) -> object:
+    if isinstance(value, str) and value not in DTYPE_BYTES:
+        raise _ProblemError(f"{value!r} is not a known dtype", ", ".join(DTYPE_BYTES))
+    return value
+
+
+# -- schema -----------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _exactly_one(obj: BaseModel, names: Sequence[str], *, at_most: bool = False) -> None:
+    given = [n for n in names if getattr(obj, n) is not None]
+    if len(given) > 1 or (not at_most and not given):
+        what = "both of" if len(given) == 2 else ("none of" if not given else "all of")
+        raise _ProblemError(f"{what} {', '.join(given or names)} given",
+                            f"{'at most' if at_most else 'exactly'} one of {', '.join(names)}")
+
+
+class ModelGroup(_Strict):
+    """One KV cache group with its tensor shape (per model, before sharding)."""
+
+    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(description="attention kind")
+    tokens_per_block: int = Field(gt=0, description="GPU block size in tokens (vLLM block_size)")
+    window: int | None = Field(default=None, gt=0,
+                               description="sliding window in tokens (sliding_window only)")
+    attention_chunk: int | None = Field(default=None, gt=0,
+                                        description="attention chunk in tokens (chunked_local)")
+    extra_retained_tokens: int = Field(default=0, ge=0, description="tokens kept left of the window (MTP)")
+    eagle: bool = Field(default=False, description="the group holds EAGLE/MTP draft KV")
+    layers: int = Field(gt=0, description="attention layers in the group")
+    kv_heads: int = Field(gt=0, description="KV heads per layer, whole model (before TP sharding)")
+    head_size: int = Field(gt=0, description="head dimension")
+    dtype: Annotated[str, BeforeValidator(_check_dtype)] = Field(default="bf16", description="KV cache dtype")
+    mla: bool = Field(default=False, description="MLA: one latent vector per token instead of K and V")
+
+
+class _ModelInfo(_Strict):
+    cost_profile: str | None = Field(default=None, description="key of sim.model.costs.MODEL_COST_PROFILES")
+    params_b: float | None = Field(default=None, gt=0,
+                                   description="parameters in billions (weights estimate)")
+    weights_bytes: Size | None = Field(default=None, gt=0,
+                                       description="weight bytes; else params_b x 2 (bf16)")
+
+
+class ModelFile(_ModelInfo):
+    """A ``model/1`` file: a KV layout of a model."""
+
+    schema_: Literal["model/1"] = Field(alias="schema", description="format and version")
+    name: str = Field(description="model name")
+    description: str | None = Field(default=None, description="one line: what the model is, sources")
+    groups: list[ModelGroup] = Field(min_length=1, description="KV cache groups, in vLLM's order")
+
+
+class ModelSection(_ModelInfo):
+    """``[model]`` of a run: a shipped model by name, a model/1 file, or inline groups."""
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="file scenarios/models/<name>.toml")
+    path: str | None = Field(default=None, description="a model/1 file, relative to the scenario file")
+    groups: list[ModelGroup] | None = Field(default=None, min_length=1, description="inline KV cache groups")
+    label: str | None = Field(default=None, description="informational name of inline groups")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        _exactly_one(self, ("name", "path", "groups"))
+        return self
+
+
+class HardwareFile(_Strict):
+    """A ``hardware/1`` file: one GPU of a serving node and its host link."""
+
+    schema_: Literal["hardware/1"] = Field(alias="schema", description="format and version")
+    name: str = Field(description="profile name")
+    description: str | None = Field(default=None, description="one line: the node")
+    gpu: str = Field(description="key of sim.model.costs.GPU_PROFILES (step-time model)")
+    hbm_bytes: Size = Field(gt=0, description="GPU memory")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of HBM vLLM may use")
+    cpu_ram_bytes: Size | None = Field(default=None, gt=0, description="host RAM of the node (informational)")
+    h2d_bandwidth: Bandwidth = Field(gt=0, description="host-to-device bytes/s per GPU")
+    d2h_bandwidth: Bandwidth = Field(gt=0, description="device-to-host bytes/s per GPU")
+    h2d_latency_s: float = Field(ge=0, description="fixed cost of one load job")
+    d2h_latency_s: float = Field(ge=0, description="fixed cost of one store job")
+
+
+class HardwareSection(_Strict):
+    """``[hardware]`` of a run: a profile and overrides."""
+
+    profile: str = Field(default="h200",
+                         description="scenarios/hardware/<name>.toml, or a path to a hardware/1 file")
+    gpu_kv_bytes: Size | None = Field(default=None, gt=0, description="HBM bytes given to the KV cache")
+    gpu_blocks: int | None = Field(default=None, ge=2, description="GPU block pool size, null block included")
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    h2d_bandwidth: Bandwidth | None = Field(default=None, gt=0)
+    d2h_bandwidth: Bandwidth | None = Field(default=None, gt=0)
+    h2d_latency_s: float | None = Field(default=None, ge=0)
+    d2h_latency_s: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _pool(self) -> HardwareSection:
+        _exactly_one(self, ("gpu_kv_bytes", "gpu_blocks"), at_most=True)
+        return self
+
+
+class CpuCacheSection(_Strict):
+    """``[cpu_cache]``: the CPU chunk cache."""
+
+    capacity: Size | None = Field(default=None, ge=0, description="host bytes for all workers")
+    chunks: int | None = Field(default=None, ge=0, description="capacity in chunk slots")
+    policy: Literal["lru", "arc"] = Field(default="lru", description="eviction policy")
+
+    @model_validator(mode="after")
+    def _one(self) -> CpuCacheSection:
+        _exactly_one(self, ("capacity", "chunks"), at_most=True)
+        return self
+
+
+class SchedulerSection(_Strict):
+    """``[scheduler]``: vLLM scheduler and connector options."""
+
+    max_num_batched_tokens: int = Field(default=8192, gt=0, description="token budget per step")
+    max_num_seqs: int = Field(default=256, gt=0, description="running requests at most")
+    prefix_caching: bool = Field(default=True, description="GPU prefix caching")
+    blocks_per_chunk: int = Field(default=1, gt=0,
+                                  description="GPU blocks per offload chunk (vLLM default 1)")
+    tokens_per_hash: int = Field(default=16, gt=0,
+                                 description="hash block in tokens; divides every block size")
+    offload_prompt_only: bool = Field(default=True, description="store prompt chunks only")
+    offloading: bool = Field(default=True, description="false: no connector, no CPU cache")
+    fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
+
+
+class _Transforms(_Strict):
+    """Keys every workload takes: how many requests and how dense."""
+
+    limit: int | None = Field(default=None, gt=0, description="requests at most")
+    rate_scale: float = Field(default=1.0, gt=0, description="arrivals this many times as dense")
+    sample: float = Field(default=1.0, gt=0, le=1,
+                          description="keep each request with this probability (seeded by its id)")
+
+
+class MultiTurnWorkload(_Transforms):
+    """``[workload] kind = "multiturn"``: seeded synthetic chat sessions.
+
+    Keys left out take the defaults of :class:`sim.io.workload.MultiTurnParams`
+    (``kind = "agentic"``: of the :data:`sim.io.workload.AGENTIC` preset).
+    """
+
+    kind: Literal["multiturn", "agentic"]
+    sessions: int | None = Field(default=None, gt=0, description="number of sessions")
+    session_rate_per_s: float | None = Field(default=None, gt=0, description="session arrival rate")
+    turns_mean: float | None = Field(default=None, gt=0, description="mean turns per session")
+    turns_max: int | None = Field(default=None, gt=0, description="turns per session at most")
+    system_prompt_tokens: int | None = Field(default=None, ge=0, description="shared system prompt")
+    first_user_tokens_mean: float | None = Field(default=None, gt=0,
+                                                 description="mean first user message, tokens")
+    followup_user_tokens_mean: float | None = Field(default=None, gt=0,
+                                                    description="mean follow-up message, tokens")
+    output_tokens_mean: float | None = Field(default=None, gt=0, description="mean answer length, tokens")
+    max_context_tokens: int | None = Field(default=None, gt=0, description="a session ends beyond this")
+    think_time_mean_s: float | None = Field(default=None, ge=0, description="mean gap between turns")
+    user_tokens_sigma: float | None = Field(default=None, ge=0,
+                                            description="lognormal sigma of user messages")
+    output_tokens_sigma: float | None = Field(default=None, ge=0, description="lognormal sigma of answers")
+    system_prompts: int | None = Field(default=None, gt=0, description="distinct shared system prompts")
+
+
+class UniformWorkload(_Transforms):
+    """``[workload] kind = "uniform"``: independent requests, no shared prefix.
+
+    Keys left out take the defaults of :class:`sim.io.workload.UniformParams`.
+    """
+
+    kind: Literal["uniform"]
+    requests: int | None = Field(default=None, gt=0, description="number of requests")
+    rate_per_s: float | None = Field(default=None, gt=0, description="Poisson arrival rate")
+    input_tokens_min: int | None = Field(default=None, gt=0, description="prompt length, lower bound")
+    input_tokens_max: int | None = Field(default=None, gt=0, description="prompt length, upper bound")
+    output_tokens_min: int | None = Field(default=None, gt=0, description="answer length, lower bound")
+    output_tokens_max: int | None = Field(default=None, gt=0, description="answer length, upper bound")
+
+
+class MooncakeWorkload(_Transforms):
+    """``[workload] kind = "mooncake"`` (a Mooncake JSONL trace) or ``"trace"``
+    (any format :mod:`sim.io.traces` reads: Mooncake JSONL, Azure CSV, kvsim
+    CSV/Parquet; ``format`` or detected)."""
+
+    kind: Literal["mooncake", "trace"]
+    path: str = Field(description="trace file, relative to the scenario file")
+    format: Literal["auto", "mooncake", "azure", "csv", "parquet"] = Field(
+        default="auto", description="trace format (kind = trace)")
+    time_scale: float = Field(default=1.0, gt=0, description="multiplies arrival times")
+    block_tokens: int | None = Field(default=None, gt=0,
+                                     description="tokens per hash id (Mooncake: 512)")
+    skip_bad: bool = Field(default=False, description="skip bad lines, counted in the summary")
+
+
+class StepTable(_Strict):
+    """An explicit step-time model (seconds)."""
+
+    overhead_s: float = Field(default=0.0, ge=0, description="per step")
+    prefill_token_s: float = Field(default=0.0, ge=0, description="per prefill token")
+    decode_seq_s: float = Field(default=0.0, ge=0, description="per decoding sequence")
+    context_token_s: float = Field(default=0.0, ge=0, description="per token of attended context")
+
+
+def _step_tag(v: object) -> str:
+    return "step-table" if isinstance(v, dict | StepTable) else "step-name"
+
+
+class CostsSection(_Strict):
+    """``[costs]``: step-time and transfer-time models."""
+
+    step: Annotated[
+        Annotated[Literal["auto", "zero"], Tag("step-name")] | Annotated[StepTable, Tag("step-table")],
+        Discriminator(_step_tag),
+    ] = Field(default="auto", description='"auto" (GPU x model profile), "zero" or an inline table')
+    transfer: Literal["hardware", "zero"] = Field(default="hardware", description="link model")
+    tensor_parallel: int = Field(default=1, gt=0, description="GPUs per model replica (also shards KV heads)")
+
+
+class CopyPathSection(_Strict):
+    """``[copy_path]``: the torch data path (:mod:`sim.engine.copypath`; needs torch)."""
+
+    enabled: bool = Field(default=False, description="run every transfer on real tensors, verify reads")
+    mode: Literal["fingerprint", "realistic"] = Field(
+        default="fingerprint", description="a word per token, or the layout's real bytes per block")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the GPU tensors live")
+    timing: Literal["model", "measured"] = Field(
+        default="model", description="transfer time from the cost model, or from the measured copies")
+    memory_limit: Size | None = Field(default=None, gt=0,
+                                      description="refuse tensors larger than this (default: available)")
+
+
+class OutputSection(_Strict):
+    """``[output]``: what is recorded and when the run stops."""
+
+    occupancy_interval_s: float = Field(default=1.0, gt=0, description="occupancy sampling period")
+    max_sim_time_s: float | None = Field(default=None, gt=0,
+                                         description="stop the run at this simulated time")
+
+
+Workload = Annotated[MultiTurnWorkload | UniformWorkload | MooncakeWorkload, Field(discriminator="kind")]
+
+
+class RunScenario(_Strict):
+    """A ``run/1`` file (see the module docstring)."""
+
+    schema_: Literal["run/1"] = Field(alias="schema", description="format and version")
+    kvsim_version: str | None = Field(default=None, description="written by kvsim into resolved scenarios")
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="results folder name (default: the file stem)")
+    seed: int = Field(default=0, ge=0, description="seed of every random choice")
+    window_logic: Literal["old", "new"] = Field(default="new",
+                                                description="vLLM 0.29.0 (old) or 0.30.0 (new)")
+    on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
+    assertions: bool = Field(default=True, description="vLLM's Python assertions; false models python -O")
+    model: ModelSection
+    hardware: HardwareSection = HardwareSection()
+    cpu_cache: CpuCacheSection = CpuCacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    workload: Workload = MultiTurnWorkload(kind="multiturn")
+    costs: CostsSection = CostsSection()
+    copy_path: CopyPathSection = CopyPathSection()
+    output: OutputSection = OutputSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kind(cls, data: Any) -> Any:
+        """``[workload]`` without ``kind`` is the multi-turn generator."""
+        wl = data.get("workload") if isinstance(data, dict) else None
+        if isinstance(wl, dict) and "kind" not in wl:
+            data = {**data, "workload": {"kind": "multiturn", **wl}}
+        return data
+
+    @model_validator(mode="after")
+    def _capacity(self) -> RunScenario:
+        c = self.cpu_cache
+        if self.scheduler.offloading and c.capacity is None and c.chunks is None:
+            raise _ProblemError("neither capacity nor chunks given",
+                                "exactly one of capacity, chunks (or scheduler.offloading = false)",
+                                "cpu_cache")
+        return self
+
+
+#: discriminator tags pydantic puts into error locations; not keys of the file
+_TAGS: dict[str, type[BaseModel] | None] = {
+    "multiturn": MultiTurnWorkload, "agentic": MultiTurnWorkload, "uniform": UniformWorkload,
+    "mooncake": MooncakeWorkload, "trace": MooncakeWorkload,
+    "step-table": StepTable, "step-name": None,
+}
+
+
+# -- errors -----------------------------------------------------------------------
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic model classes an annotation may hold (through Optional, list, unions)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if origin in (list, typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _models_in(a)]
+    return []
+
+
+def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if part in _TAGS:
+            model = _TAGS[part]
+            continue
+        if model is None:
+            return None
+        fld = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if fld is None:
+            return None
+        found = _models_in(fld.annotation)
+        # several candidates (a union): the discriminator tag that follows picks one
+        model = found[0] if len(found) == 1 else None
+    return model
+
+
+def _keys_of(model: type[BaseModel] | None) -> str:
+    if model is None:
+        return ""
+    return ", ".join(f.alias or n for n, f in model.model_fields.items())
+
+
+def _is_key(part: object) -> bool:
+    """Location parts that are keys of the file (not pydantic's tags and validator names)."""
+    return isinstance(part, int) or (isinstance(part, str) and part not in _TAGS and "[" not in part
+                                     and part not in ("int", "none", "str", "float", "bool"))
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in loc if _is_key(p))
+
+
+def located(exc: ValidationError, source: str, root: type[BaseModel], prefix: str = "") -> InputError:
+    """The first error of ``exc`` as an :class:`InputError` at ``source:KEY``."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = _dotted(loc)
+    full = f"{prefix}{key}" if key else prefix.rstrip(".")
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        return InputError(source, full, "unknown key", _keys_of(_model_at(root, loc[:-1])))
+    if kind == "missing":
+        return InputError(source, full, "required key missing")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        k = f"{full}.kind" if full else "kind"
+        if kind == "union_tag_not_found":
+            return InputError(source, k, "required key missing", "multiturn, mooncake")
+        return InputError(source, k, f"{ctx.get('tag')!r} is invalid",
+                          str(ctx.get("expected_tags", "")).replace("'", '"'))
+    inner = ctx.get("error")
+    if isinstance(inner, LayoutError):
+        return InputError(source, f"{prefix}{inner.key}", inner.problem, inner.allowed)
+    if isinstance(inner, _ProblemError):
+        k = ".".join(p for p in (full, inner.key) if p)
+        return InputError(source, k, inner.problem, inner.allowed)
+    if kind == "literal_error":
+        return InputError(source, full, f"{value!r} is invalid", str(ctx.get("expected", "")))
+    if isinstance(value, dict):
+        shown = "a table"
+    elif isinstance(value, list):
+        shown = "a list"
+    else:
+        shown = repr(value)
+    allowed = err["msg"].removeprefix("Input should be ").removeprefix("String should ")
+    return InputError(source, full, f"{shown} is invalid", allowed)
+
+
+_M = typing.TypeVar("_M", bound=BaseModel)
+
+
+def _validate(cls: type[_M], data: dict[str, Any], source: str, prefix: str = "") -> _M:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise located(exc, source, cls, prefix) from None
+
+
+def _toml_error(source: str, exc: tomllib.TOMLDecodeError) -> InputError:
+    text = str(exc)
+    m = re.search(r"\(at line (\d+), column (\d+)\)", text)
+    if m is None:
+        return InputError(source, "", f"bad TOML: {text}", "a TOML document")
+    msg = text[: m.start()].strip()
+    return InputError(source, f"line {m.group(1)}", f"bad TOML: {msg} (column {m.group(2)})",
+                      "a TOML document")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; unreadable files and syntax errors become :class:`InputError`."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(source, "", "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(source, "", f"cannot read: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _toml_error(source, exc) from None
+
+
+def _check_schema(data: dict[str, Any], source: str, want: str) -> None:
+    got = data.get("schema")
+    if got != want:
+        problem = "missing" if got is None else f"{got!r} is not {want!r}"
+        raise InputError(source, "schema", problem, f'"{want}"')
+
+
+# -- --set overrides --------------------------------------------------------------
+
+#: keys of which at most one may be given: setting one drops the others
+_EXCLUSIVE: tuple[tuple[str, ...], ...] = (
+    ("cpu_cache.capacity", "cpu_cache.chunks"),
+    ("hardware.gpu_kv_bytes", "hardware.gpu_blocks"),
+    ("model.name", "model.path", "model.groups"),
+)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads("v = " + text)["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str | tuple[str, str]]) -> dict[str, str]:
+    """Apply ``key=value`` overrides in order to the raw TOML data (in place).
+
+    An item is ``"key=value"`` (source ``--set``) or ``(source, "key=value")``
+    (e.g. ``("--seed", "seed=3")``). Returns {dotted key: the option that set it last}.
+
+    Raises:
+        InputError: the item is not ``key=value`` or names an unknown key.
+    """
+    touched: dict[str, str] = {}
+    for item in overrides:
+        source, text = ("--set", item) if isinstance(item, str) else item
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(source, text, "not key=value", "key=value, e.g. cpu_cache.capacity=64GiB")
+        parts = key.split(".")
+        model: type[BaseModel] | None = RunScenario
+        table = data
+        for i, part in enumerate(parts):
+            fields = {f.alias or n: f for n, f in model.model_fields.items()} if model else {}
+            where = ".".join(parts[: i + 1])
+            if part not in fields:
+                raise InputError(source, where, "unknown key", _keys_of(model))
+            if i == len(parts) - 1:
+                break
+            found = _models_in(fields[part].annotation)
+            sub = table.get(part)
+            if len(found) > 1:  # a union of tables: the one of the given kind, else the first that fits
+                kind = sub.get("kind") if isinstance(sub, dict) else None
+                nxt = parts[i + 1]
+                found = [m for m in found if nxt in m.model_fields and (
+                    kind is None or kind in typing.get_args(m.model_fields["kind"].annotation))][:1]
+            if len(found) != 1 or (sub is not None and not isinstance(sub, dict)):
+                shown = "" if sub is None or isinstance(sub, dict) else f" ({sub!r})"
+                raise InputError(source, where, f"not a table{shown}",
+                                 "a key of a table, e.g. cpu_cache.policy")
+            model = found[0]
+            if sub is None:
+                sub = table[part] = {}
+            table = sub
+        for group in _EXCLUSIVE:
+            if key in group:
+                for other in group:
+                    if other != key:
+                        section, _, leaf = other.partition(".")
+                        sec = data.get(section)
+                        if isinstance(sec, dict):
+                            sec.pop(leaf, None)
+        table[parts[-1]] = _parse_value(raw.strip())
+        touched[key] = source
+    return touched
+
+
+# -- resolved model and hardware ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model a run uses, after ``[model]`` overrides."""
+
+    label: str
+    groups: tuple[ModelGroup, ...]
+    cost_profile: str | None
+    params_b: float | None
+    weights_bytes: int | None
+    source: str  #: the file the groups came from (for error messages)
+    prefix: str  #: key prefix of the groups in that file ("" or "model.")
+
+
+@dataclass(frozen=True)
+class ResolvedHardware:
+    """The hardware a run uses, after ``[hardware]`` overrides."""
+
+    profile: str  #: a shipped name, or an absolute path
+    name: str
+    gpu: str
+    hbm_bytes: int
+    gpu_memory_utilization: float
+    h2d_bandwidth: int
+    d2h_bandwidth: int
+    h2d_latency_s: float
+    d2h_latency_s: float
+
+
+def _available(folder: str) -> str:
+    d = scenarios_dir() / folder
+    names = sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+    return ", ".join(names) if names else "(none shipped)"
+
+
+def load_model_file(path: Path) -> ModelFile:
+    """Read and validate a ``model/1`` file (layout checked with its own block sizes)."""
+    source = str(path)
+    data = read_toml(path)
+    _check_schema(data, source, "model/1")
+    mf = _validate(ModelFile, data, source)
+    tph = math.gcd(*(g.tokens_per_block for g in mf.groups))
+    _layout(mf.groups, tph, 1, 1, source, "")
+    if mf.cost_profile is not None:
+        _check_cost_profile(mf.cost_profile, source, "cost_profile")
+    return mf
+
+
+def load_hardware_file(path: Path) -> HardwareFile:
+    """Read and validate a ``hardware/1`` file."""
+    source = str(path)
+    data = read_toml(path)
+    _check_schema(data, source, "hardware/1")
+    hw = _validate(HardwareFile, data, source)
+    from sim.model.costs import GPU_PROFILES
+
+    if hw.gpu not in GPU_PROFILES:
+        raise InputError(source, "gpu", f"{hw.gpu!r} is not a known GPU profile", ", ".join(GPU_PROFILES))
+    return hw
+
+
+def _check_cost_profile(name: str, source: str, key: str) -> None:
+    from sim.model.costs import MODEL_COST_PROFILES
+
+    if name not in MODEL_COST_PROFILES:
+        raise InputError(source, key, f"{name!r} is not a known model cost profile",
+                         ", ".join(MODEL_COST_PROFILES))
+
+
+def _resolve_model(sec: ModelSection, base: Path, source: str) -> ResolvedModel:
+    if sec.groups is not None:
+        mf_groups, label, file_info = tuple(sec.groups), sec.label or "inline", _ModelInfo()
+        msource, prefix = source, "model."
+    else:
+        if sec.name is not None:
+            path = scenarios_dir() / "models" / f"{sec.name}.toml"
+            if not path.is_file():
+                raise InputError(source, "model.name", f"{sec.name!r}: no such model",
+                                 _available("models"))
+        else:
+            assert sec.path is not None
+            path = (base / sec.path).resolve()
+            if not path.is_file():
+                raise InputError(source, "model.path", f"{sec.path!r}: no such file",
+                                 "a model/1 file, relative to the scenario file")
+        mf = load_model_file(path)
+        mf_groups, label, file_info = tuple(mf.groups), mf.name, mf
+        msource, prefix = str(path), ""
+    cost = sec.cost_profile if sec.cost_profile is not None else file_info.cost_profile
+    if sec.cost_profile is not None:
+        _check_cost_profile(sec.cost_profile, source, "model.cost_profile")
+    return ResolvedModel(
+        label=label, groups=mf_groups, cost_profile=cost,
+        params_b=sec.params_b if sec.params_b is not None else file_info.params_b,
+        weights_bytes=sec.weights_bytes if sec.weights_bytes is not None else file_info.weights_bytes,
+        source=msource, prefix=prefix)
+
+
+def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> ResolvedHardware:
+    p = sec.profile
+    if "/" in p or p.endswith(".toml"):
+        path = (base / p).resolve()
+        if not path.is_file():
+            raise InputError(source, "hardware.profile", f"{p!r}: no such file",
+                             f"a shipped profile ({_available('hardware')}) or a hardware/1 file")
+        profile = str(path)
+    else:
+        path = scenarios_dir() / "hardware" / f"{p}.toml"
+        if not path.is_file():
+            raise InputError(source, "hardware.profile", f"{p!r}: no such hardware profile",
+                             f"{_available('hardware')}, or a path to a hardware/1 file")
+        profile = p
+    hw = load_hardware_file(path)
+
+    def pick(over: Any, default: Any) -> Any:
+        return default if over is None else over
+
+    return ResolvedHardware(
+        profile=profile, name=hw.name, gpu=hw.gpu, hbm_bytes=hw.hbm_bytes,
+        gpu_memory_utilization=pick(sec.gpu_memory_utilization, hw.gpu_memory_utilization),
+        h2d_bandwidth=pick(sec.h2d_bandwidth, hw.h2d_bandwidth),
+        d2h_bandwidth=pick(sec.d2h_bandwidth, hw.d2h_bandwidth),
+        h2d_latency_s=pick(sec.h2d_latency_s, hw.h2d_latency_s),
+        d2h_latency_s=pick(sec.d2h_latency_s, hw.d2h_latency_s))
+
+
+def _group_spec(g: ModelGroup, tp: int) -> GroupSpec:
+    heads = 1 if g.mla else max(1, g.kv_heads // tp)
+    shape = KVShape(g.layers, heads, g.head_size, DTYPE_BYTES[g.dtype], g.mla)
+    return GroupSpec(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
+                     g.extra_retained_tokens, g.eagle, shape=shape)
+
+
+def _layout(groups: Sequence[ModelGroup], tph: int, bpc: int, tp: int, source: str, prefix: str,
+            run_source: str | None = None) -> Layout:
+    try:
+        return Layout.of([_group_spec(g, tp) for g in groups], tph, bpc)
+    except LayoutError as exc:
+        if exc.key in ("tokens_per_hash", "blocks_per_chunk"):
+            raise InputError(run_source or source, f"scheduler.{exc.key}", exc.problem, exc.allowed) from None
+        raise InputError(source, f"{prefix}{exc.key}", exc.problem, exc.allowed) from None
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A validated ``run/1`` scenario and the objects a run is built from.
+
+    Attributes:
+        source: the scenario file.
+        scenario: the validated tree (after ``--set`` overrides).
+        model: the model after overrides.
+        hardware: the hardware after overrides.
+        layout: the KV layout, per worker (heads sharded by tensor parallelism).
+        block_bytes: KV bytes of one GPU block id on one worker (largest group).
+        gpu_kv_bytes: bytes given to the KV cache (None when ``gpu_blocks`` is explicit).
+        gpu_blocks: GPU block pool size, null block included.
+        cpu_chunks: CPU chunk slots.
+        cpu_slot_bytes: host bytes of one chunk slot (all workers, page-rounded).
+        step_cost: the step-time model.
+        h2d: the load link model.
+        d2h: the store link model.
+        workload_path: the trace file (mooncake), absolute.
+    """
+
+    source: Path
+    scenario: RunScenario
+    model: ResolvedModel
+    hardware: ResolvedHardware
+    layout: Layout
+    block_bytes: int
+    gpu_kv_bytes: int | None
+    gpu_blocks: int
+    cpu_chunks: int
+    cpu_slot_bytes: int
+    step_cost: StepCostModel
+    h2d: TransferModel
+    d2h: TransferModel
+    workload_path: Path | None
+    #: holds the :class:`sim.io.traces.BadLines` of the last :meth:`requests` stream
+    _bad: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def bad_lines(self) -> Any:
+        """Lines skipped by ``workload.skip_bad`` in the last :meth:`requests`
+        stream (a :class:`sim.io.traces.BadLines`), or None."""
+        return self._bad[0] if self._bad else None
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        """The CPU cache in bytes: the capacity given, else chunks x slot bytes;
+        0 without offloading or with no slots."""
+        if not self.scenario.scheduler.offloading or self.cpu_chunks == 0:
+            return 0
+        capacity = self.scenario.cpu_cache.capacity
+        return int(capacity) if capacity is not None else self.cpu_chunks * self.cpu_slot_bytes
+
+    @property
+    def name(self) -> str:
+        """The run's name: ``name``, else the file stem."""
+        return self.scenario.name or self.source.stem
+
+    @property
+    def expected_requests(self) -> int | None:
+        """The number of requests when known in advance (the workload's ``limit``)."""
+        wl = self.scenario.workload
+        if isinstance(wl, UniformWorkload) and wl.sample == 1:
+            n = self.uniform_params()["requests"]
+            return int(n if wl.limit is None else min(n, wl.limit))
+        return wl.limit if wl.sample == 1 else None
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration."""
+        from sim.engine.loop import CopyPathConfig, EngineConfig
+
+        sc = self.scenario
+        s = sc.scheduler
+        cp = sc.copy_path
+        copy = (CopyPathConfig(mode=cp.mode, device=cp.device, timing=cp.timing,
+                               memory_limit_bytes=cp.memory_limit) if cp.enabled else None)
+        return EngineConfig(
+            layout=self.layout, gpu_blocks=self.gpu_blocks,
+            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+            prefix_caching=s.prefix_caching, offloading=s.offloading,
+            offload_prompt_only=s.offload_prompt_only, cpu_capacity_chunks=self.cpu_chunks,
+            eviction=_eviction(sc.cpu_cache.policy), window_logic=sc.window_logic,
+            on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
+            fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
+            max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy)
+
+    def multiturn_params(self) -> dict[str, Any]:
+        """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
+        wl = self.scenario.workload
+        assert isinstance(wl, MultiTurnWorkload)
+        return dataclasses.asdict(_multiturn(wl))
+
+    def uniform_params(self) -> dict[str, Any]:
+        """The uniform generator's parameters, defaults filled in (uniform only)."""
+        from sim.io.workload import UniformParams
+
+        wl = self.scenario.workload
+        assert isinstance(wl, UniformWorkload)
+        return dataclasses.asdict(UniformParams(**_given_params(wl)))
+
+    def requests(self) -> Iterator[Request]:
+        """A fresh iterator over the run's requests (call again to restart).
+
+        Order of the transforms: the source (with ``time_scale`` for traces),
+        then ``sample``, then ``rate_scale``, then ``limit``.
+        """
+        from sim.io.workload import (
+            UniformParams,
+            iter_mooncake,
+            iter_multiturn,
+            iter_trace,
+            iter_uniform,
+            sample,
+            scale_rate,
+            take,
+        )
+
+        wl = self.scenario.workload
+        seed = self.scenario.seed
+        tph = self.scenario.scheduler.tokens_per_hash
+        self._bad.clear()
+        stream: Iterator[Request]
+        if isinstance(wl, MooncakeWorkload):
+            assert self.workload_path is not None
+            if wl.kind == "mooncake" and not wl.skip_bad:
+                stream = iter_mooncake(self.workload_path, tph, time_scale=wl.time_scale,
+                                       block_tokens=wl.block_tokens or 512)
+            else:
+                from sim.io.traces import BadLines
+
+                bad = BadLines()
+                self._bad.append(bad)
+                fmt = "mooncake" if wl.kind == "mooncake" else (None if wl.format == "auto" else wl.format)
+                stream = iter_trace(self.workload_path, tph, fmt=fmt, time_scale=wl.time_scale,
+                                    block_tokens=wl.block_tokens, skip_bad=wl.skip_bad, bad=bad)
+        elif isinstance(wl, UniformWorkload):
+            stream = iter_uniform(UniformParams(**self.uniform_params()), seed, tph)
+        else:
+            stream = iter_multiturn(_multiturn(wl), seed, tph)
+        if wl.sample != 1:
+            stream = sample(stream, wl.sample, seed)
+        if wl.rate_scale != 1:
+            stream = scale_rate(stream, wl.rate_scale)
+        return take(stream, wl.limit)
+
+    def resolved(self) -> dict[str, Any]:
+        """The fully resolved scenario as a TOML-ready dict (loads back to the same config)."""
+        sc = self.scenario
+        out: dict[str, Any] = {"schema": "run/1", "kvsim_version": kvsim_version(), "name": self.name,
+                               "seed": sc.seed, "window_logic": sc.window_logic, "on_crash": sc.on_crash,
+                               "assertions": sc.assertions}
+        m = self.model
+        model: dict[str, Any] = {"label": m.label}
+        for key in ("cost_profile", "params_b", "weights_bytes"):
+            if getattr(m, key) is not None:
+                model[key] = getattr(m, key)
+        model["groups"] = [g.model_dump(exclude_none=True) for g in m.groups]
+        out["model"] = model
+        hw = self.hardware
+        hardware: dict[str, Any] = {"profile": hw.profile}
+        if sc.hardware.gpu_blocks is not None:
+            hardware["gpu_blocks"] = self.gpu_blocks
+        else:
+            assert self.gpu_kv_bytes is not None
+            hardware["gpu_kv_bytes"] = self.gpu_kv_bytes
+        for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
+                    "d2h_latency_s"):
+            hardware[key] = getattr(hw, key)
+        out["hardware"] = hardware
+        out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
+        out["scheduler"] = sc.scheduler.model_dump()
+        wl = sc.workload
+        if isinstance(wl, MooncakeWorkload):
+            workload = wl.model_dump(exclude_none=True)
+            workload["path"] = str(self.workload_path)
+        else:
+            params = self.uniform_params() if isinstance(wl, UniformWorkload) else self.multiturn_params()
+            workload = {"kind": wl.kind, **params}
+            for key in ("limit", "rate_scale", "sample"):
+                if getattr(wl, key) is not None:
+                    workload[key] = getattr(wl, key)
+        out["workload"] = workload
+        c = self.step_cost
+        out["costs"] = {
+            "step": {"overhead_s": float(c.overhead_s), "prefill_token_s": float(c.prefill_token_s),
+                     "decode_seq_s": float(c.decode_seq_s), "context_token_s": float(c.context_token_s)},
+            "transfer": sc.costs.transfer, "tensor_parallel": sc.costs.tensor_parallel}
+        out["copy_path"] = sc.copy_path.model_dump(exclude_none=True)
+        out["output"] = sc.output.model_dump(exclude_none=True)
+        return out
+
+    def resolved_toml(self) -> str:
+        """:meth:`resolved` as TOML text (deterministic)."""
+        import tomli_w
+
+        return tomli_w.dumps(self.resolved())
+
+    def describe(self) -> str:
+        """One line: what the run is."""
+        sc = self.scenario
+        cpu = f"CPU {self.cpu_chunks} chunks ({sc.cpu_cache.policy})" if sc.scheduler.offloading \
+            else "no offloading"
+        return (f"run/1: {self.name!r}, model {self.model.label} ({len(self.model.groups)} groups), "
+                f"{self.hardware.name}, GPU {self.gpu_blocks} blocks, {cpu}, "
+                f"{sc.workload.kind} workload, logic {sc.window_logic}")
+
+
+def _given_params(wl: MultiTurnWorkload | UniformWorkload) -> dict[str, Any]:
+    """The generator parameters a scenario gives (the rest take the defaults)."""
+    skip = ("kind", "limit", "rate_scale", "sample")
+    return {k: v for k, v in wl.model_dump().items() if k not in skip and v is not None}
+
+
+def _multiturn(wl: MultiTurnWorkload) -> MultiTurnParams:
+    """Multi-turn parameters: the kind's preset with the given keys on top."""
+    from sim.io.workload import AGENTIC, MultiTurnParams
+
+    base = AGENTIC if wl.kind == "agentic" else MultiTurnParams()
+    return dataclasses.replace(base, **_given_params(wl))
+
+
+def kvsim_version() -> str:
+    """The installed kvsim version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvsim")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0+unknown"
+
+
+def _eviction(policy: str) -> Any:
+    from sim.model.cpu_cache import EvictionPolicy
+
+    return EvictionPolicy(policy)
+
+
+def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, source: str) -> StepCostModel:
+    from sim.model.costs import ZERO_STEP, StepCostModel, step_model_for
+
+    step = sc.costs.step
+    if step == "zero":
+        return ZERO_STEP
+    if isinstance(step, StepTable):
+        return StepCostModel(step.overhead_s, step.prefill_token_s, step.decode_seq_s, step.context_token_s)
+    if model.cost_profile is None:
+        raise InputError(source, "costs.step", f"'auto' needs a model cost_profile; model {model.label!r} "
+                         "has none", '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
+                         'context_token_s}, or model.cost_profile')
+    try:
+        return step_model_for(hw.gpu, model.cost_profile, tensor_parallel=sc.costs.tensor_parallel)
+    except KeyError as exc:
+        raise InputError(source, "costs.step", f"'auto': no step-time model for GPU {hw.gpu!r} and model "
+                         f"{model.cost_profile!r} ({exc})", '"zero" or an inline table') from None
+
+
+def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:
+    from sim.model.costs import ZERO_TRANSFER, TransferModel
+
+    if sc.costs.transfer == "zero":
+        return ZERO_TRANSFER, ZERO_TRANSFER
+    return (TransferModel(float(hw.h2d_bandwidth), hw.h2d_latency_s),
+            TransferModel(float(hw.d2h_bandwidth), hw.d2h_latency_s))
+
+
+def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | None = None) -> RunSpec:
+    """Validate raw ``run/1`` data read from ``path`` and resolve it into a :class:`RunSpec`.
+
+    ``overridden`` maps keys set on the command line to their option, so that
+    a bad value is reported against the option instead of the file.
+    """
+    source = str(path)
+    _check_schema(data, source, "run/1")
+    try:
+        sc = RunScenario.model_validate(data)
+    except ValidationError as exc:
+        err = located(exc, source, RunScenario)
+        for k, option in (overridden or {}).items():
+            if err.key == k or err.key.startswith(k + "."):
+                err = InputError(option, err.key, err.problem, err.allowed)
+        raise err from None
+    base = path.resolve().parent
+    model = _resolve_model(sc.model, base, source)
+    hw = _resolve_hardware(sc.hardware, base, source)
+    s = sc.scheduler
+    tp = sc.costs.tensor_parallel
+    layout = _layout(model.groups, s.tokens_per_hash, s.blocks_per_chunk, tp, model.source, model.prefix,
+                     run_source=source)
+    block_bytes = max(layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups)))
+    gpu_kv_bytes: int | None = None
+    if sc.hardware.gpu_blocks is not None:
+        gpu_blocks = sc.hardware.gpu_blocks
+    else:
+        if sc.hardware.gpu_kv_bytes is not None:
+            gpu_kv_bytes = sc.hardware.gpu_kv_bytes
+        else:
+            weights = model.weights_bytes if model.weights_bytes is not None else (
+                int(model.params_b * 1e9 * 2) if model.params_b is not None else 0)
+            gpu_kv_bytes = int(hw.gpu_memory_utilization * hw.hbm_bytes) - -(-weights // tp)
+            if gpu_kv_bytes <= 0:
+                raise InputError(source, "hardware.gpu_kv_bytes",
+                                 f"the default ({hw.gpu_memory_utilization} x {hw.hbm_bytes} B HBM minus "
+                                 f"{weights} B of weights / {tp}) is not positive",
+                                 "set hardware.gpu_kv_bytes or hardware.gpu_blocks")
+        gpu_blocks = gpu_kv_bytes // block_bytes
+        if gpu_blocks < 2:
+            raise InputError(source, "hardware.gpu_kv_bytes",
+                             f"{gpu_kv_bytes} B hold {gpu_blocks} blocks of {block_bytes} B",
+                             f"at least {2 * block_bytes} B (2 blocks, the null block included)")
+    from sim.model.cpu_cache import capacity_from_bytes, slot_bytes
+
+    cpu_chunks = 0
+    cc = sc.cpu_cache
+    copies = 1 if all(g.mla for g in model.groups) else tp   # MLA caches are replicated, one copy
+    slot = slot_bytes(block_bytes, s.blocks_per_chunk, copies)
+    if cc.chunks is not None:
+        cpu_chunks = cc.chunks
+    elif cc.capacity is not None and cc.capacity > 0:
+        cpu_chunks = capacity_from_bytes(cc.capacity, block_bytes, s.blocks_per_chunk, copies)
+        if cpu_chunks == 0:
+            raise InputError(source, "cpu_cache.capacity", f"{cc.capacity} B hold no chunk slot of {slot} B",
+                             f"at least {slot} B, or chunks = 0")
+    workload_path: Path | None = None
+    wl = sc.workload
+    if isinstance(wl, MooncakeWorkload):
+        workload_path = (base / wl.path).resolve()
+        if not workload_path.is_file():
+            raise InputError(source, "workload.path", f"{wl.path!r}: no such file",
+                             "a trace file, relative to the scenario file")
+        block_tokens = wl.block_tokens or (512 if wl.kind == "mooncake" else None)
+        if block_tokens is not None and block_tokens % s.tokens_per_hash:
+            raise InputError(source, "workload.block_tokens",
+                             f"{block_tokens} is not a multiple of tokens_per_hash={s.tokens_per_hash}",
+                             f"a multiple of {s.tokens_per_hash}")
+        if wl.kind == "trace" and wl.format == "auto":
+            from sim.io.traces import detect_format
+
+            try:
+                detect_format(workload_path)
+            except InputError as exc:
+                raise InputError(source, "workload.format", exc.problem, exc.allowed) from None
+    else:
+        from sim.io.workload import UniformParams, validate_params, validate_uniform
+
+        try:
+            if isinstance(wl, UniformWorkload):
+                validate_uniform(UniformParams(**_given_params(wl)), source)
+            else:
+                validate_params(_multiturn(wl), source)
+        except InputError as exc:
+            raise InputError(source, f"workload.{exc.key}", exc.problem, exc.allowed) from None
+    h2d, d2h = _transfers(sc, hw)
+    return RunSpec(source=path, scenario=sc, model=model, hardware=hw, layout=layout,
+                   block_bytes=block_bytes, gpu_kv_bytes=gpu_kv_bytes, gpu_blocks=gpu_blocks,
+                   cpu_chunks=cpu_chunks, cpu_slot_bytes=slot,
+                   step_cost=_step_cost(sc, model, hw, source), h2d=h2d, d2h=d2h,
+                   workload_path=workload_path)
+
+
+def load_run(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()) -> RunSpec:
+    """Read a ``run/1`` file, apply ``--set`` overrides, validate and resolve it.
+
+    Args:
+        path: the scenario file.
+        overrides: ``"key=value"`` strings applied in order (rightmost wins), or
+            ``(source, "key=value")`` pairs naming the option for error messages.
+
+    Raises:
+        InputError: anything wrong with the file, the files it names, or the overrides.
+    """
+    p = Path(path)
+    data = read_toml(p)
+    _check_schema(data, str(p), "run/1")
+    touched = apply_overrides(data, overrides)
+    return build_run(data, p, touched)
+
+
+# -- validate any file ----------------------------------------------------------------
+
+_DESCRIBE: dict[str, Callable[[Path], str]] = {}
+
+
+def _describe_model(path: Path) -> str:
+    mf = load_model_file(path)
+    parts = []
+    for g in mf.groups:
+        extra = f" W{g.window}" if g.window else (f" C{g.attention_chunk}" if g.attention_chunk else "")
+        parts.append(f"{g.kind} bs{g.tokens_per_block}{extra} x{g.layers}")
+    spec = [_group_spec(g, 1) for g in mf.groups]
+    per_block = max(s.shape.bytes_per_block(s.tokens_per_block) for s in spec if s.shape is not None)
+    return f"model/1: {mf.name}, {len(mf.groups)} groups ({', '.join(parts)}), {per_block} B per block"
+
+
+def _describe_hardware(path: Path) -> str:
+    hw = load_hardware_file(path)
+    return (f"hardware/1: {hw.name} (gpu {hw.gpu}), HBM {hw.hbm_bytes / 1e9:g} GB, "
+            f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s")
+
+
+def _describe_check(path: Path) -> str:
+    from sim.io.check import load_check_file, parse_check
+
+    batch, items = load_check_file(path, jsonl=path.suffix == ".jsonl")
+    for i, item in enumerate(items):
+        source = f"{path}[{i}]" if batch else str(path)
+        if isinstance(item, dict) and "__error__" in item:
+            raise InputError(source, "", str(item["__error__"]))
+        parse_check(item, source)
+    if batch:
+        return f"check/1: {len(items)} scenarios"
+    return f"check/1: logic {items[0].get('window_logic', 'both')}, {len(items[0]['groups'])} groups"
+
+
+def _describe_run(path: Path) -> str:
+    return load_run(path).describe()
+
+
+def _describe_sweep(path: Path) -> str:
+    from sim.tools.sweep import describe_sweep
+
+    return describe_sweep(path)
+
+
+_DESCRIBE.update({"run/1": _describe_run, "model/1": _describe_model, "hardware/1": _describe_hardware,
+                  "check/1": _describe_check, "sweep/1": _describe_sweep})
+
+
+def validate_file(path: str | Path) -> str:
+    """Validate any scenario file by its ``schema`` and describe it in one line.
+
+    JSON and JSON Lines files are ``check/1`` batches.
+
+    Raises:
+        InputError: the file is invalid, or its schema is missing or unknown.
+    """
+    p = Path(path)
+    if p.suffix in (".json", ".jsonl"):
+        return _describe_check(p)
+    data = read_toml(p)
+    schema = data.get("schema")
+    allowed = ", ".join(f'"{s}"' for s in SCHEMAS)
+    if schema is None:
+        raise InputError(str(p), "schema", "missing", allowed)
+    if not isinstance(schema, str) or schema not in _DESCRIBE:
+        raise InputError(str(p), "schema", f"{schema!r} is not a known schema", allowed)
+    return _DESCRIBE[schema](p)

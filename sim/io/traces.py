@@ -1,0 +1,1127 @@
+"""Raw request traces: streaming readers, statistics, download and conversion.
+
+What it provides
+    :func:`iter_records` streams the requests of a trace file as
+    :class:`TraceRecord` objects, one line (or one Parquet batch) at a time,
+    validating every record. Four formats are read (``docs/traces.md``):
+
+    * ``mooncake``: Mooncake FAST'25 JSON Lines (``timestamp`` in ms,
+      ``input_length``, ``output_length``, chained ``hash_ids`` of 512-token
+      blocks; an optional ``session_id`` string is kept);
+    * ``azure``: Azure LLM inference 2023 CSV (``TIMESTAMP,ContextTokens,
+      GeneratedTokens``, absolute timestamps with 7 fractional digits, made
+      relative to the first record exactly, in integer nanoseconds);
+    * ``csv`` and ``parquet``: kvsim's own schema (``CSV_COLUMNS``).
+
+    :func:`trace_stats` summarises a trace (counts, rates, length
+    percentiles, prefix reuse of hash-id traces); :func:`fetch_trace`
+    downloads a published trace into a cache folder and verifies its digest;
+    :func:`convert_trace` rewrites a trace in another format. All three back
+    the ``kvsim trace stats|fetch|convert`` commands (:func:`add_trace_parser`).
+
+Conventions
+    * Bad input raises :class:`~sim.errors.InputError` with
+      ``key = "line N"`` (the 1-based physical line; for CSV the header is
+      line 1; for Parquet, N is the 1-based row number). With
+      ``skip_bad=True`` a bad record is skipped and counted in a
+      :class:`BadLines` instead; problems with the file itself (missing,
+      unreadable, bad header or schema) are never skipped.
+    * ``arrival_s`` is in seconds. Mooncake, CSV and Parquet times are kept
+      as stored (they are already relative to the trace start; the Mooncake
+      traces start at 0); Azure's absolute times are made relative to the
+      first record. Timestamps must not decrease from one record to the next.
+    * Nothing reads a whole file into memory, and every file written goes to
+      a temporary name in the target folder first and is renamed into place
+      only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import os
+import secrets
+import sys
+import urllib.error
+import urllib.request
+from array import array
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from http.client import HTTPException
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from sim.errors import InputError
+from sim.io.workload import _check_record
+
+__all__ = [
+    "AZURE_HEADER",
+    "CSV_COLUMNS",
+    "FORMATS",
+    "KNOWN_TRACES",
+    "WRITABLE_FORMATS",
+    "BadLines",
+    "KnownTrace",
+    "TraceRecord",
+    "add_trace_parser",
+    "convert_trace",
+    "default_cache_dir",
+    "detect_format",
+    "fetch_trace",
+    "format_stats",
+    "iter_records",
+    "output_format",
+    "trace_stats",
+    "write_records",
+]
+
+FORMATS = ("mooncake", "azure", "csv", "parquet")
+WRITABLE_FORMATS = ("mooncake", "csv", "parquet")
+MOONCAKE_BLOCK_TOKENS = 512
+AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+CSV_COLUMNS = ("arrival_s", "input_tokens", "output_tokens", "hash_ids", "block_tokens",
+               "prefix_group", "prefix_tokens", "session_id")
+CSV_REQUIRED = CSV_COLUMNS[:3]
+
+_INT64_MAX = (1 << 63) - 1
+_PARQUET_BATCH = 8192
+_EPOCH = datetime(1970, 1, 1)
+_SECOND = timedelta(seconds=1)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request of a trace file, as stored (validated, not yet expanded).
+
+    Attributes:
+        line: 1-based physical line (CSV: the header is line 1; Parquet: row number).
+        arrival_s: seconds from the trace start (Azure: from its first record).
+        input_tokens: prompt tokens (>= 1).
+        output_tokens: generated tokens (>= 1).
+        hash_ids: chained block ids, ``ceil(input_tokens / block_tokens)`` of
+            them, or ``None`` when the trace has no block ids.
+        block_tokens: tokens per hash id (Mooncake: 512).
+        prefix_group: requests of one group share their first ``prefix_tokens``
+            prompt tokens (kvsim CSV/Parquet), else ``None``.
+        prefix_tokens: length of the group's shared prefix.
+        session_id: the conversation, where the trace names it.
+    """
+
+    line: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] | None
+    block_tokens: int | None
+    prefix_group: int | None
+    prefix_tokens: int | None
+    session_id: str | None
+
+
+@dataclass
+class BadLines:
+    """Records skipped under ``skip_bad``: how many, and the first few problems."""
+
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+    max_examples: ClassVar[int] = 5
+
+    def add(self, exc: InputError) -> None:
+        """Count one skipped record (``exc`` names its line and problem)."""
+        self.count += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(f"{exc.key}: {exc.problem}")
+
+
+class _FieldError(Exception):
+    """A field-level problem; the reader adds the file and line."""
+
+    def __init__(self, problem: str, allowed: str) -> None:
+        super().__init__(problem, allowed)
+        self.problem = problem
+        self.allowed = allowed
+
+
+# ----------------------------------------------------------------------------------------------
+# Format detection and file access
+# ----------------------------------------------------------------------------------------------
+
+def _head(path: Path, source: str, size: int = 4096) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(size)
+    except FileNotFoundError as exc:
+        raise InputError(source, "", "no such file", "an existing trace file") from exc
+    except OSError as exc:
+        raise InputError(source, "", f"cannot read ({exc.strerror or exc})", "a readable trace file") from exc
+
+
+def _first_line(head: bytes) -> str:
+    text = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    return text.removeprefix("\ufeff").strip()
+
+
+def _is_azure_header(line: str) -> bool:
+    return tuple(c.strip() for c in line.split(",")) == AZURE_HEADER
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The format of an existing trace file, by suffix and first line.
+
+    ``.jsonl``/``.ndjson`` -> mooncake; ``.parquet``/``.pq`` -> parquet;
+    ``.csv`` -> azure when its header is ``TIMESTAMP,ContextTokens,GeneratedTokens``,
+    else csv (kvsim's schema). Other names are sniffed (Parquet magic, a JSON
+    object, either CSV header).
+
+    Raises:
+        InputError: the file is missing or unreadable, or the format cannot be told.
+    """
+    p = Path(path)
+    source = str(path)
+    head = _head(p, source)
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "mooncake"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    first = _first_line(head)
+    if suffix == ".csv":
+        return "azure" if _is_azure_header(first) else "csv"
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if first.startswith("{"):
+        return "mooncake"
+    if _is_azure_header(first):
+        return "azure"
+    if "arrival_s" in (c.strip() for c in first.split(",")):
+        return "csv"
+    raise InputError(source, "", "cannot tell the trace format from the file name or first line",
+                     "--format " + "|".join(FORMATS))
+
+
+def output_format(path: str | os.PathLike[str]) -> str:
+    """The format to write ``path`` in, from its suffix."""
+    suffix = Path(path).suffix.lower()
+    fmt = {".jsonl": "mooncake", ".ndjson": "mooncake", ".csv": "csv", ".parquet": "parquet",
+           ".pq": "parquet"}.get(suffix)
+    if fmt is None:
+        raise InputError(str(path), "", "cannot tell the output format from the file name",
+                         "a .jsonl, .csv or .parquet name, or --to " + "|".join(WRITABLE_FORMATS))
+    return fmt
+
+
+@contextmanager
+def _open_binary(path: Path, source: str) -> Iterator[IO[bytes]]:
+    try:
+        f = path.open("rb")
+    except FileNotFoundError as exc:
+        raise InputError(source, "", "no such file", "an existing trace file") from exc
+    except OSError as exc:
+        raise InputError(source, "", f"cannot read ({exc.strerror or exc})", "a readable trace file") from exc
+    with f:
+        yield f
+
+
+# ----------------------------------------------------------------------------------------------
+# Field parsing (CSV strings and Parquet values alike)
+# ----------------------------------------------------------------------------------------------
+
+def _empty(v: object) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
+
+
+def _int(v: object, name: str, minimum: int) -> int:
+    if isinstance(v, str):
+        t = v.strip()
+        digits = t[1:] if t.startswith("-") else t
+        if not (digits.isascii() and digits.isdigit()):
+            raise _FieldError(f"{name} {v!r} is not an integer", f"an integer >= {minimum}")
+        value = int(t)
+    elif type(v) is int:
+        value = v
+    else:
+        raise _FieldError(f"{name} {v!r} is not an integer", f"an integer >= {minimum}")
+    if value < minimum:
+        raise _FieldError(f"{name} {value}", f"an integer >= {minimum}")
+    return value
+
+
+def _req_int(v: object, name: str, minimum: int) -> int:
+    if _empty(v):
+        raise _FieldError(f"missing {name}", f"an integer >= {minimum}")
+    return _int(v, name, minimum)
+
+
+def _opt_int(v: object, name: str, minimum: int) -> int | None:
+    return None if _empty(v) else _int(v, name, minimum)
+
+
+def _seconds(v: object) -> float:
+    allowed = "a finite number of seconds >= 0"
+    if _empty(v):
+        raise _FieldError("missing arrival_s", allowed)
+    if isinstance(v, str):
+        try:
+            value = float(v)
+        except ValueError:
+            raise _FieldError(f"arrival_s {v!r} is not a number", allowed) from None
+    elif type(v) in (int, float):
+        value = float(v)  # type: ignore[arg-type]
+    else:
+        raise _FieldError(f"arrival_s {v!r} is not a number", allowed)
+    if not math.isfinite(value) or value < 0:
+        raise _FieldError(f"arrival_s {value!r}", allowed)
+    return value
+
+
+def _hash_ids(v: object) -> tuple[int, ...] | None:
+    allowed = "non-negative integers (space-separated in CSV)"
+    if _empty(v):
+        return None
+    if isinstance(v, str):
+        parts = v.split()
+        if not all(p.isascii() and p.isdigit() for p in parts):
+            bad = next(p for p in parts if not (p.isascii() and p.isdigit()))
+            raise _FieldError(f"hash id {bad!r} is not a non-negative integer", allowed)
+        return tuple(int(p) for p in parts)
+    if isinstance(v, (list, tuple)):
+        for h in v:
+            if type(h) is not int or h < 0:
+                raise _FieldError(f"hash id {h!r} is not a non-negative integer", allowed)
+        return tuple(v)
+    raise _FieldError(f"hash_ids {v!r} is not a list of integers", allowed)
+
+
+def _session(v: object) -> str | None:
+    if _empty(v):
+        return None
+    if isinstance(v, str):
+        return v
+    if type(v) is int:
+        return str(v)
+    raise _FieldError(f"session_id {v!r} is not a string", "a string")
+
+
+class _Checker:
+    """Semantic checks shared by the kvsim CSV and Parquet readers."""
+
+    def __init__(self, default_block_tokens: int | None) -> None:
+        self.default_bt = default_block_tokens
+        self.prev = 0.0
+        self.groups: dict[int, int] = {}
+
+    def record(self, n: int, values: dict[str, object]) -> TraceRecord:
+        get = values.get
+        arrival = _seconds(get("arrival_s"))
+        if arrival < self.prev:
+            raise _FieldError(f"arrival_s {arrival!r} is smaller than the previous record's {self.prev!r}",
+                              "non-decreasing arrival times")
+        inp = _req_int(get("input_tokens"), "input_tokens", 1)
+        out = _req_int(get("output_tokens"), "output_tokens", 1)
+        ids = _hash_ids(get("hash_ids"))
+        bt = _opt_int(get("block_tokens"), "block_tokens", 1)
+        if ids is not None:
+            if bt is None:
+                bt = self.default_bt
+            if bt is None:
+                raise _FieldError("hash_ids without block_tokens",
+                                  "a block_tokens value, or --block-tokens N")
+            want = -(-inp // bt)
+            if len(ids) != want:
+                raise _FieldError(f"{len(ids)} hash_ids for input_tokens {inp}",
+                                  f"ceil(input_tokens / {bt}) = {want} ids")
+        group = _opt_int(get("prefix_group"), "prefix_group", 0)
+        ptok = _opt_int(get("prefix_tokens"), "prefix_tokens", 1)
+        if (group is None) != (ptok is None):
+            raise _FieldError("prefix_group and prefix_tokens must be given together", "both or neither")
+        if group is not None and ptok is not None:
+            if ids is not None:
+                raise _FieldError("both hash_ids and prefix_group",
+                                  "one kind of prefix information per record")
+            if ptok > inp:
+                raise _FieldError(f"prefix_tokens {ptok} exceeds input_tokens {inp}",
+                                  "prefix_tokens <= input_tokens")
+            known = self.groups.get(group)
+            if known is not None and known != ptok:
+                raise _FieldError(f"prefix_tokens {ptok} for prefix_group {group}, "
+                                  f"earlier records say {known}",
+                                  "one prefix_tokens value per prefix_group")
+        session = _session(get("session_id"))
+        # accept: only now update the state
+        if group is not None and ptok is not None:
+            self.groups[group] = ptok
+        self.prev = arrival
+        return TraceRecord(n, arrival, inp, out, ids, bt, group, ptok, session)
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers
+# ----------------------------------------------------------------------------------------------
+
+def _skip(exc: InputError, skip_bad: bool, bad: BadLines | None) -> None:
+    if not skip_bad or bad is None:
+        raise exc
+    bad.add(exc)
+
+
+def iter_records(path: str | os.PathLike[str], fmt: str | None = None, *, skip_bad: bool = False,
+                 bad: BadLines | None = None, block_tokens: int | None = None) -> Iterator[TraceRecord]:
+    """Stream the validated records of a trace file.
+
+    Args:
+        path: the trace file.
+        fmt: one of :data:`FORMATS`; ``None`` detects it (:func:`detect_format`).
+        skip_bad: skip bad records instead of raising; they are counted in ``bad``,
+            which is then required.
+        bad: the counter of skipped records.
+        block_tokens: tokens per hash id. Mooncake: default 512. kvsim CSV/Parquet:
+            used for records whose ``block_tokens`` is empty.
+
+    Raises:
+        InputError: bad arguments or an unusable file (at the call); a bad record
+            (``key="line N"``, when the stream reaches it).
+        ValueError: ``skip_bad`` without ``bad``.
+    """
+    source = str(path)
+    p = Path(path)
+    if skip_bad and bad is None:
+        raise ValueError("skip_bad=True needs a BadLines to count the skipped records in")
+    if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
+        raise InputError(source, "--block-tokens", f"{block_tokens!r}", "an integer >= 1")
+    if fmt is None:
+        fmt = detect_format(p)
+    else:
+        _head(p, source)  # missing / unreadable: fail now, not at the first next()
+    if fmt == "mooncake":
+        return _iter_mooncake(p, source, skip_bad, bad, block_tokens or MOONCAKE_BLOCK_TOKENS)
+    if fmt == "azure":
+        return _iter_azure(p, source, skip_bad, bad)
+    if fmt == "csv":
+        return _iter_csv(p, source, skip_bad, bad, block_tokens)
+    if fmt == "parquet":
+        return _iter_parquet(p, source, skip_bad, bad, block_tokens)
+    raise InputError(source, "--format", f"{fmt!r}", "|".join(FORMATS))
+
+
+def _iter_mooncake(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
+                   block_tokens: int) -> Iterator[TraceRecord]:
+    prev = 0.0
+    with _open_binary(path, source) as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(raw)
+                except UnicodeDecodeError:
+                    raise InputError(source, f"line {n}", "not UTF-8 text",
+                                     "one JSON object per line") from None
+                except json.JSONDecodeError as exc:
+                    raise InputError(source, f"line {n}", f"invalid JSON ({exc.msg} at column {exc.colno})",
+                                     "one JSON object per line") from None
+                ts, inp, out, ids = _check_record(source, n, obj, block_tokens, prev)
+                try:
+                    session = _session(obj.get("session_id"))
+                except _FieldError as exc:
+                    raise InputError(source, f"line {n}", exc.problem, exc.allowed) from None
+            except InputError as exc:
+                _skip(exc, skip_bad, bad)
+                continue
+            prev = ts
+            yield TraceRecord(n, ts / 1000.0, inp, out, tuple(ids), block_tokens, None, None, session)
+
+
+class _Lines:
+    """Decoded lines of a binary file for ``csv.reader``; remembers undecodable lines."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.n = 0
+        self.undecodable = 0
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        raw = next(self.f)
+        self.n += 1
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("utf-8", "replace")
+            self.undecodable = self.undecodable or self.n
+        if self.n == 1:
+            text = text.removeprefix("\ufeff")
+        return text
+
+
+def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, list[str] | _FieldError]]:
+    """(first line of the record, its fields or the problem) for every non-blank CSV record."""
+    lines = _Lines(f)
+    reader = csv.reader(lines)
+    end = 0
+    while True:
+        start = end + 1
+        try:
+            row: list[str] | _FieldError = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            row = _FieldError(f"unreadable CSV ({exc})", "comma-separated fields, double-quoted where needed")
+        end = reader.line_num
+        if lines.undecodable:
+            row = _FieldError("not UTF-8 text", "UTF-8 text")
+            lines.undecodable = 0
+        if isinstance(row, list) and not any(c.strip() for c in row):
+            continue
+        yield start, row
+
+
+def _iter_csv(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
+              block_tokens: int | None) -> Iterator[TraceRecord]:
+    allowed_header = "a header naming " + ", ".join(CSV_REQUIRED) + " and optionally " + \
+        ", ".join(CSV_COLUMNS[3:])
+    checker = _Checker(block_tokens)
+    with _open_binary(path, source) as f:
+        rows = _csv_rows(f)
+        first = next(rows, None)
+        if first is None:
+            raise InputError(source, "line 1", "empty file, no header", allowed_header)
+        hline, header = first
+        if isinstance(header, _FieldError):
+            raise InputError(source, f"line {hline}", header.problem, header.allowed)
+        names = [h.strip() for h in header]
+        if tuple(names) == AZURE_HEADER:
+            raise InputError(source, f"line {hline}", "this is an Azure trace header", "--format azure")
+        unknown = [h for h in names if h not in CSV_COLUMNS]
+        dupes = sorted({h for h in names if names.count(h) > 1})
+        missing = [h for h in CSV_REQUIRED if h not in names]
+        if unknown or dupes or missing:
+            what = "; ".join(part for part in (
+                f"unknown column(s) {', '.join(map(repr, unknown))}" if unknown else "",
+                f"duplicate column(s) {', '.join(map(repr, dupes))}" if dupes else "",
+                f"missing column(s) {', '.join(missing)}" if missing else "") if part)
+            raise InputError(source, f"line {hline}", what, allowed_header)
+        for n, row in rows:
+            try:
+                if isinstance(row, _FieldError):
+                    raise row
+                if len(row) != len(names):
+                    raise _FieldError(f"{len(row)} fields, expected {len(names)}",
+                                      f"{len(names)} fields as in the header")
+                rec = checker.record(n, dict(zip(names, row, strict=True)))
+            except _FieldError as exc:
+                _skip(InputError(source, f"line {n}", exc.problem, exc.allowed), skip_bad, bad)
+                continue
+            yield rec
+
+
+def _azure_ns(text: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.f...]`` (up to 9 fractional digits) -> integer ns since 1970."""
+    t = text.strip()
+    base, dot, frac = t.partition(".")
+    try:
+        dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        raise _FieldError(f"TIMESTAMP {text!r}", "YYYY-MM-DD HH:MM:SS[.fffffff]") from None
+    ns = 0
+    if dot:
+        if not (frac.isascii() and frac.isdigit() and len(frac) <= 9):
+            raise _FieldError(f"TIMESTAMP {text!r}",
+                              "YYYY-MM-DD HH:MM:SS[.fffffff] (at most 9 fractional digits)")
+        ns = int(frac.ljust(9, "0"))
+    return ((dt - _EPOCH) // _SECOND) * 1_000_000_000 + ns
+
+
+def _iter_azure(path: Path, source: str, skip_bad: bool, bad: BadLines | None) -> Iterator[TraceRecord]:
+    first_ns: int | None = None
+    prev_ns = -(1 << 62)
+    with _open_binary(path, source) as f:
+        rows = _csv_rows(f)
+        first = next(rows, None)
+        if first is None:
+            raise InputError(source, "line 1", "empty file, no header", ",".join(AZURE_HEADER))
+        hline, header = first
+        if isinstance(header, _FieldError) or tuple(h.strip() for h in header) != AZURE_HEADER:
+            shown = header.problem if isinstance(header, _FieldError) else f"header {','.join(header)!r}"
+            raise InputError(source, f"line {hline}", shown, ",".join(AZURE_HEADER))
+        for n, row in rows:
+            try:
+                if isinstance(row, _FieldError):
+                    raise row
+                if len(row) != 3:
+                    raise _FieldError(f"{len(row)} fields, expected 3", ",".join(AZURE_HEADER))
+                ns = _azure_ns(row[0])
+                if ns < prev_ns:
+                    raise _FieldError(f"TIMESTAMP {row[0].strip()!r} is earlier than the previous record's",
+                                      "non-decreasing timestamps")
+                inp = _req_int(row[1], "ContextTokens", 1)
+                out = _req_int(row[2], "GeneratedTokens", 1)
+            except _FieldError as exc:
+                _skip(InputError(source, f"line {n}", exc.problem, exc.allowed), skip_bad, bad)
+                continue
+            prev_ns = ns
+            if first_ns is None:
+                first_ns = ns
+            yield TraceRecord(n, (ns - first_ns) / 1e9, inp, out, None, None, None, None, None)
+
+
+def _iter_parquet(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
+                  block_tokens: int | None) -> Iterator[TraceRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    allowed = "kvsim's trace schema: " + ", ".join(CSV_COLUMNS) + " (the first three required)"
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(source, "", f"not a readable Parquet file ({exc})", "a Parquet file") from exc
+    names = list(pf.schema_arrow.names)
+    unknown = [h for h in names if h not in CSV_COLUMNS]
+    missing = [h for h in CSV_REQUIRED if h not in names]
+    if unknown or missing:
+        what = "; ".join(part for part in (
+            f"unknown column(s) {', '.join(map(repr, unknown))}" if unknown else "",
+            f"missing column(s) {', '.join(missing)}" if missing else "") if part)
+        raise InputError(source, "schema", what, allowed)
+    checker = _Checker(block_tokens)
+    n = 0
+    with pf:
+        try:
+            for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=names):
+                columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+                for values in zip(*columns, strict=True):
+                    n += 1
+                    try:
+                        rec = checker.record(n, dict(zip(names, values, strict=True)))
+                    except _FieldError as exc:
+                        _skip(InputError(source, f"line {n}", exc.problem, exc.allowed), skip_bad, bad)
+                        continue
+                    yield rec
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(source, f"line {n + 1}", f"unreadable Parquet data ({exc})",
+                             "a Parquet file") from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------
+
+def _percentile(values: list[int] | array[int], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default) of sorted ``values``."""
+    pos = q * (len(values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _summary(values: array[int]) -> dict[str, float]:
+    s = sorted(values)
+    return {"mean": sum(s) / len(s), "p50": _percentile(s, 0.50), "p99": _percentile(s, 0.99),
+            "max": float(s[-1])}
+
+
+def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_bad: bool = False,
+                block_tokens: int | None = None) -> dict[str, Any]:
+    """Summary statistics of a trace, in one streaming pass.
+
+    Keys: ``path``, ``format``, ``requests``, ``bad_lines`` (``count``,
+    ``examples``), ``first_arrival_s``, ``last_arrival_s``, ``duration_s``
+    (last - first), ``rate_per_s`` (requests / duration; ``None`` for a zero
+    duration), ``input_tokens`` and ``output_tokens`` (``mean``, ``p50``,
+    ``p99``, ``max``; linear-interpolation percentiles). ``hash_ids`` (when
+    records carry them, else ``None``): ``requests``, ``block_tokens`` (a list
+    of the sizes seen), ``block_refs``, ``unique_blocks``, ``reuse_ratio``
+    (fraction of block references to an id seen earlier in the trace),
+    ``prefix_hit_token_ratio`` (input tokens inside the leading run of
+    already-seen blocks, over all input tokens of those records: an infinite
+    prefix cache), ``requests_reusing_ratio``, ``blocks_per_request`` and
+    ``reused_prefix_blocks`` (summaries). ``prefix_groups`` (kvsim traces with
+    prefix groups, else ``None``): ``requests``, ``groups``,
+    ``reuse_token_ratio`` (prefix tokens of groups seen earlier over those
+    records' input tokens).
+
+    Raises:
+        InputError: as :func:`iter_records`, or no valid record at all.
+    """
+    bad = BadLines()
+    fmt = fmt or detect_format(path)
+    inputs: array[int] = array("q")
+    outputs: array[int] = array("q")
+    first = last = 0.0
+    seen: set[int] = set()
+    sizes: set[int] = set()
+    blocks: array[int] = array("q")
+    reused_prefix: array[int] = array("q")
+    refs = reused = hit_tokens = hashed_input = reusing = 0
+    groups: set[int] = set()
+    grouped = grouped_input = group_hits = 0
+    for rec in iter_records(path, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens):
+        if not inputs:
+            first = rec.arrival_s
+        last = rec.arrival_s
+        inputs.append(rec.input_tokens)
+        outputs.append(rec.output_tokens)
+        if rec.hash_ids is not None and rec.block_tokens is not None:
+            lead = r = 0
+            in_prefix = True
+            for h in rec.hash_ids:
+                if h in seen:
+                    r += 1
+                    if in_prefix:
+                        lead += 1
+                else:
+                    seen.add(h)
+                    in_prefix = False
+            refs += len(rec.hash_ids)
+            reused += r
+            reusing += r > 0
+            hit_tokens += min(lead * rec.block_tokens, rec.input_tokens)
+            hashed_input += rec.input_tokens
+            sizes.add(rec.block_tokens)
+            blocks.append(len(rec.hash_ids))
+            reused_prefix.append(lead)
+        if rec.prefix_group is not None and rec.prefix_tokens is not None:
+            grouped += 1
+            grouped_input += rec.input_tokens
+            if rec.prefix_group in groups:
+                group_hits += rec.prefix_tokens
+            else:
+                groups.add(rec.prefix_group)
+    if not inputs:
+        raise InputError(str(path), "", "no valid request in the trace"
+                         + (f" ({bad.count} bad lines skipped)" if bad.count else ""),
+                         "a trace with at least one request")
+    duration = last - first
+    hashed: dict[str, Any] | None = None
+    if blocks:
+        hashed = {
+            "requests": len(blocks),
+            "block_tokens": sorted(sizes),
+            "block_refs": refs,
+            "unique_blocks": len(seen),
+            "reuse_ratio": reused / refs if refs else 0.0,
+            "prefix_hit_token_ratio": hit_tokens / hashed_input,
+            "requests_reusing_ratio": reusing / len(blocks),
+            "blocks_per_request": _summary(blocks),
+            "reused_prefix_blocks": _summary(reused_prefix),
+        }
+    grouped_stats: dict[str, Any] | None = None
+    if grouped:
+        grouped_stats = {"requests": grouped, "groups": len(groups),
+                         "reuse_token_ratio": group_hits / grouped_input}
+    return {
+        "path": str(path),
+        "format": fmt,
+        "requests": len(inputs),
+        "bad_lines": {"count": bad.count, "examples": list(bad.examples)},
+        "first_arrival_s": first,
+        "last_arrival_s": last,
+        "duration_s": duration,
+        "rate_per_s": len(inputs) / duration if duration > 0 else None,
+        "input_tokens": _summary(inputs),
+        "output_tokens": _summary(outputs),
+        "hash_ids": hashed,
+        "prefix_groups": grouped_stats,
+    }
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """``trace_stats`` as an aligned text table."""
+    rows: list[tuple[str, str]] = [
+        ("trace", f"{stats['path']} ({stats['format']})"),
+        ("requests", f"{stats['requests']:,}"),
+        ("duration", f"{stats['duration_s']:,.1f} s (arrivals {stats['first_arrival_s']:,.3f} .. "
+                     f"{stats['last_arrival_s']:,.3f} s)"),
+        ("rate", "-" if stats["rate_per_s"] is None else f"{stats['rate_per_s']:.2f} req/s"),
+    ]
+    dists: list[tuple[str, dict[str, float]]] = [
+        ("input tokens", stats["input_tokens"]), ("output tokens", stats["output_tokens"])]
+    h = stats["hash_ids"]
+    if h is not None:
+        dists += [("blocks per request", h["blocks_per_request"]),
+                  ("reused prefix blocks", h["reused_prefix_blocks"])]
+    out_rows: list[tuple[str, str]] = list(rows)
+    if h is not None:
+        partial = "" if h["requests"] == stats["requests"] else f" ({h['requests']:,} requests with hash_ids)"
+        out_rows += [
+            ("block size", ", ".join(f"{b:,}" for b in h["block_tokens"]) + " tokens" + partial),
+            ("block refs / unique", f"{h['block_refs']:,} / {h['unique_blocks']:,}"),
+            ("prefix reuse", f"{h['reuse_ratio']:.3f} of block references seen earlier"),
+            ("prefix-hit tokens", f"{h['prefix_hit_token_ratio']:.3f} of input tokens (infinite cache)"),
+            ("requests reusing", f"{h['requests_reusing_ratio']:.1%} of requests reuse >= 1 block"),
+        ]
+    g = stats["prefix_groups"]
+    if g is not None:
+        out_rows += [
+            ("prefix groups", f"{g['groups']:,} over {g['requests']:,} requests"),
+            ("prefix reuse", f"{g['reuse_token_ratio']:.3f} of input tokens in a group prefix seen earlier"),
+        ]
+    b = stats["bad_lines"]
+    if b["count"]:
+        out_rows.append(("bad lines skipped", f"{b['count']:,}"))
+        out_rows += [("", e) for e in b["examples"]]
+        if b["count"] > len(b["examples"]):
+            out_rows.append(("", "..."))
+    width = max(len(k) for k, _ in out_rows)
+    lines = [f"{k:<{width}}  {v}".rstrip() for k, v in out_rows]
+    cells = [[name, *(_fmt(d[c]) if c != "mean" else f"{d[c]:,.1f}" for c in ("mean", "p50", "p99", "max"))]
+             for name, d in dists]
+    head = ["", "mean", "p50", "p99", "max"]
+    widths = [max(len(r[i]) for r in [head, *cells]) for i in range(5)]
+    lines.append("")
+    for r in [head, *cells]:
+        cols = [r[0].ljust(widths[0]), *(r[i].rjust(widths[i]) for i in range(1, 5))]
+        lines.append("  ".join(cols).rstrip())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing and conversion
+# ----------------------------------------------------------------------------------------------
+
+@contextmanager
+def _atomic_path(path: Path, source: str | None = None) -> Iterator[Path]:
+    """A fresh temporary path next to ``path``; renamed onto it if the block succeeds, else removed."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.part"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:
+        raise InputError(source or str(path), "", f"cannot write ({exc.strerror or exc})",
+                         "a path in an existing, writable folder") from exc
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _ms(arrival_s: float) -> int | float:
+    ms = arrival_s * 1000.0
+    r = round(ms)
+    return r if abs(ms - r) <= 1e-9 * max(1.0, abs(ms)) else ms
+
+
+def _write_mooncake(records: Iterable[TraceRecord], f: IO[str], source: str) -> tuple[int, int | None]:
+    n = 0
+    size: int | None = None
+    for rec in records:
+        if rec.hash_ids is None or rec.block_tokens is None:
+            raise InputError(source, f"line {rec.line}", "no hash_ids",
+                             "records with hash_ids for Mooncake output (write csv or parquet instead)")
+        if size is None:
+            size = rec.block_tokens
+        elif rec.block_tokens != size:
+            raise InputError(source, f"line {rec.line}",
+                             f"block_tokens {rec.block_tokens} differs from the first record's {size}",
+                             "one block size per Mooncake file")
+        obj: dict[str, Any] = {"timestamp": _ms(rec.arrival_s), "input_length": rec.input_tokens,
+                               "output_length": rec.output_tokens, "hash_ids": list(rec.hash_ids)}
+        if rec.session_id is not None:
+            obj["session_id"] = rec.session_id
+        f.write(json.dumps(obj))
+        f.write("\n")
+        n += 1
+    return n, size
+
+
+def _cell(v: object) -> str:
+    return "" if v is None else str(v)
+
+
+def _write_csv(records: Iterable[TraceRecord], f: IO[str]) -> int:
+    w = csv.writer(f, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    n = 0
+    for r in records:
+        w.writerow((repr(r.arrival_s), r.input_tokens, r.output_tokens,
+                    "" if r.hash_ids is None else " ".join(map(str, r.hash_ids)),
+                    _cell(r.block_tokens), _cell(r.prefix_group), _cell(r.prefix_tokens),
+                    _cell(r.session_id)))
+        n += 1
+    return n
+
+
+def _write_parquet(records: Iterable[TraceRecord], path: Path, source: str) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([
+        ("arrival_s", pa.float64()), ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
+        ("hash_ids", pa.list_(pa.int64())), ("block_tokens", pa.int64()), ("prefix_group", pa.int64()),
+        ("prefix_tokens", pa.int64()), ("session_id", pa.string())])
+    cols: dict[str, list[Any]] = {name: [] for name in CSV_COLUMNS}
+    n = 0
+
+    def flush(writer: Any) -> None:
+        writer.write_batch(pa.RecordBatch.from_pydict(cols, schema=schema))
+        for v in cols.values():
+            v.clear()
+
+    with pq.ParquetWriter(path, schema) as writer:
+        for r in records:
+            too_big = [v for v in (r.input_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens,
+                                   max(r.hash_ids, default=0) if r.hash_ids else 0) if v and v > _INT64_MAX]
+            if too_big:
+                raise InputError(source, f"line {r.line}", f"value {too_big[0]} does not fit in int64",
+                                 "integers < 2**63 for Parquet output")
+            for name in CSV_COLUMNS:
+                cols[name].append(getattr(r, name))
+            if r.hash_ids is not None:
+                cols["hash_ids"][-1] = list(r.hash_ids)
+            n += 1
+            if len(cols["arrival_s"]) >= _PARQUET_BATCH:
+                flush(writer)
+        if cols["arrival_s"] or n == 0:
+            flush(writer)
+    return n
+
+
+def write_records(records: Iterable[TraceRecord], path: str | os.PathLike[str], fmt: str, *,
+                  source: str = "input", overwrite: bool = False) -> tuple[int, int | None]:
+    """Write ``records`` to ``path`` in ``fmt`` (one of :data:`WRITABLE_FORMATS`), atomically.
+
+    Returns ``(records written, block_tokens of a Mooncake file or None)``.
+    ``source`` names the input in errors about a record. On any error the
+    target is left as it was.
+    """
+    p = Path(path)
+    if fmt not in WRITABLE_FORMATS:
+        raise InputError(str(path), "--to", f"{fmt!r}", "|".join(WRITABLE_FORMATS))
+    if p.exists() and not overwrite:
+        raise InputError(str(path), "", "already exists", "a new path, or --force to replace it")
+    if p.is_dir():
+        raise InputError(str(path), "", "is a directory", "a file path")
+    with _atomic_path(p) as tmp:
+        if fmt == "parquet":
+            return _write_parquet(records, tmp, source), None
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            if fmt == "csv":
+                return _write_csv(records, f), None
+            return _write_mooncake(records, f, source)
+
+
+def convert_trace(src: str | os.PathLike[str], dst: str | os.PathLike[str], src_fmt: str | None = None,
+                  dst_fmt: str | None = None, *, skip_bad: bool = False, bad: BadLines | None = None,
+                  block_tokens: int | None = None, overwrite: bool = False) -> tuple[int, int | None]:
+    """Stream ``src`` into ``dst`` (atomically); returns what :func:`write_records` returns."""
+    if skip_bad and bad is None:
+        bad = BadLines()
+    fmt = src_fmt or detect_format(src)
+    out_fmt = dst_fmt or output_format(dst)
+    records = iter_records(src, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens)
+    return write_records(records, dst, out_fmt, source=str(src), overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------------------------
+# Download
+# ----------------------------------------------------------------------------------------------
+
+_MOONCAKE_RAW = ("https://raw.githubusercontent.com/kvcache-ai/Mooncake/"
+                 "3b5a594133958449a1feaf1c9e0fc1b553e34a28/FAST25-release/traces/")
+_AZURE_RAW = ("https://raw.githubusercontent.com/Azure/AzurePublicDataset/"
+              "b469a113cedca53ddc3bdea71a143dc4b7d8700c/data/")
+
+
+@dataclass(frozen=True, slots=True)
+class KnownTrace:
+    """A published trace :func:`fetch_trace` can download (digests as published, where known)."""
+
+    name: str
+    filename: str
+    url: str
+    sha256: str | None
+    git_blob: str | None
+    license: str
+
+
+KNOWN_TRACES: dict[str, KnownTrace] = {t.name: t for t in (
+    KnownTrace("mooncake-conversation", "conversation_trace.jsonl",
+               _MOONCAKE_RAW + "conversation_trace.jsonl",
+               "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+               "5a371794b81d7fc7487ec8a02a2c631bcc7fbdf8", "Apache-2.0"),
+    KnownTrace("mooncake-toolagent", "toolagent_trace.jsonl", _MOONCAKE_RAW + "toolagent_trace.jsonl",
+               None, "b765599d1e0828b37f68d481563c385d3c11de54", "Apache-2.0"),
+    KnownTrace("mooncake-synthetic", "synthetic_trace.jsonl", _MOONCAKE_RAW + "synthetic_trace.jsonl",
+               "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131",
+               "e4838049c0dcfc358a5f24ab08251279475cba94", "Apache-2.0"),
+    KnownTrace("azure-conv-2023", "AzureLLMInferenceTrace_conv.csv",
+               _AZURE_RAW + "AzureLLMInferenceTrace_conv.csv",
+               "2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8",
+               "5b9219f2caf93bbbf95ec29894e206115658e235", "CC-BY-4.0"),
+    KnownTrace("azure-code-2023", "AzureLLMInferenceTrace_code.csv",
+               _AZURE_RAW + "AzureLLMInferenceTrace_code.csv",
+               "54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6",
+               "62bd8109d0f2b1bc48206d397ecca48d8de03aab", "CC-BY-4.0"),
+)}
+
+
+def default_cache_dir() -> Path:
+    """``$KVSIM_CACHE`` if set (the folder the traces go in), else ``~/.cache/kvsim/traces``."""
+    env = os.environ.get("KVSIM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvsim" / "traces"
+
+
+def _digest_problem(path: Path, spec: KnownTrace) -> str | None:
+    """``None`` when the file matches the published digests, else what differs."""
+    size = path.stat().st_size
+    sha256 = hashlib.sha256()
+    blob = hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sha256.update(chunk)
+            blob.update(chunk)
+    if spec.sha256 is not None and sha256.hexdigest() != spec.sha256:
+        return f"sha256 mismatch: got {sha256.hexdigest()}, expected {spec.sha256}"
+    if spec.git_blob is not None and blob.hexdigest() != spec.git_blob:
+        return f"git blob id mismatch: got {blob.hexdigest()}, expected {spec.git_blob}"
+    return None
+
+
+def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, url: str | None = None,
+                force: bool = False, timeout_s: float = 60.0) -> tuple[Path, bool]:
+    """Download a known trace into the cache folder; returns ``(path, downloaded)``.
+
+    A cached copy that matches the published digests is reused (``downloaded``
+    False) unless ``force``. The download streams into a temporary file in the
+    cache folder, is checked against the published sha256 and git blob id
+    (whichever are known) and only then renamed into place.
+
+    Raises:
+        InputError: unknown name, unusable cache folder, a cached copy that does
+            not match (use ``force``), or ``NAME: download failed (...)``.
+    """
+    spec = KNOWN_TRACES.get(name)
+    if spec is None:
+        raise InputError(name, "", "unknown trace name", ", ".join(KNOWN_TRACES))
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = folder / spec.filename
+    if target.is_file() and not force:
+        problem = _digest_problem(target, spec)
+        if problem is None:
+            return target, False
+        raise InputError(str(target), "", f"cached copy does not match ({problem})",
+                         f"kvsim trace fetch {name} --force to download it again")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(str(folder), "", f"cannot create the cache folder ({exc.strerror or exc})",
+                         "a writable folder (--cache-dir DIR or $KVSIM_CACHE)") from exc
+    src = url or spec.url
+    allowed = (f"a reachable URL serving the published {spec.filename} (check the connection, pass "
+               f"--url MIRROR, or copy the file into {folder})")
+    with _atomic_path(target, str(folder)) as tmp:
+        try:
+            with urllib.request.urlopen(src, timeout=timeout_s) as resp, tmp.open("wb") as out:
+                while chunk := resp.read(1 << 16):
+                    out.write(chunk)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            raise InputError(name, "", f"download failed (HTTP {exc.code} {exc.reason} from {src})",
+                             allowed) from None
+        except urllib.error.URLError as exc:
+            raise InputError(name, "", f"download failed ({exc.reason} from {src})", allowed) from None
+        except ValueError as exc:
+            raise InputError(name, "--url", f"download failed ({exc})",
+                             "an http://, https:// or file:// URL") from None
+        except (OSError, HTTPException) as exc:
+            raise InputError(name, "", f"download failed ({exc or type(exc).__name__} from {src})",
+                             allowed) from None
+        problem = _digest_problem(tmp, spec)
+        if problem is not None:
+            raise InputError(name, "", f"download failed ({problem}; from {src})", allowed)
+    return target, True
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: kvsim trace stats | fetch | convert
+# ----------------------------------------------------------------------------------------------
+
+def _block_tokens_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _report_bad(bad: BadLines) -> None:
+    if bad.count:
+        shown = "; ".join(bad.examples) + ("; ..." if bad.count > len(bad.examples) else "")
+        print(f"kvsim: skipped {bad.count} bad line(s): {shown}", file=sys.stderr)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    stats = trace_stats(args.file, args.format, skip_bad=args.skip_bad, block_tokens=args.block_tokens)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    path, downloaded = fetch_trace(args.name, args.cache_dir, url=args.url, force=args.force)
+    if not downloaded:
+        print(f"kvsim: {args.name}: already cached (digest verified)", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    bad = BadLines()
+    n, size = convert_trace(args.src, args.dst, args.src_format, args.dst_format, skip_bad=args.skip_bad,
+                            bad=bad, block_tokens=args.block_tokens, overwrite=args.force)
+    _report_bad(bad)
+    print(f"wrote {n:,} records to {args.dst}")
+    if size is not None and size != MOONCAKE_BLOCK_TOKENS:
+        print(f"kvsim: note: {args.dst} uses {size}-token blocks; read it with --block-tokens {size}",
+              file=sys.stderr)
+    return 0
+
+
+def add_trace_parser(sub: Any) -> None:
+    """Register ``kvsim trace {stats,fetch,convert}`` on the top-level subparsers."""
+    p = sub.add_parser("trace", help="request traces: statistics, download, conversion")
+    tsub = p.add_subparsers(dest="trace_command", required=True)
+
+    s = tsub.add_parser("stats", help="request count, rate, length percentiles, prefix reuse")
+    s.add_argument("file", help="trace file (Mooncake JSONL, Azure CSV, kvsim CSV or Parquet)")
+    s.add_argument("--format", choices=FORMATS, help="input format (default: from the name and first line)")
+    s.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    s.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
+    s.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
+                   help="tokens per hash id (Mooncake: 512; kvsim CSV/Parquet: where the column is empty)")
+    s.set_defaults(func=_cmd_stats)
+
+    f = tsub.add_parser("fetch", help="download a published trace into the cache folder")
+    f.add_argument("name", choices=list(KNOWN_TRACES), metavar="NAME",
+                   help="one of: " + ", ".join(KNOWN_TRACES))
+    f.add_argument("--cache-dir", metavar="DIR",
+                   help="where to put it (default: $KVSIM_CACHE, else ~/.cache/kvsim/traces)")
+    f.add_argument("--url", help="download from this URL instead (a mirror); digests are still checked")
+    f.add_argument("--force", action="store_true", help="download again even if a cached copy exists")
+    f.set_defaults(func=_cmd_fetch)
+
+    c = tsub.add_parser("convert", help="rewrite a trace as Mooncake JSONL, kvsim CSV or kvsim Parquet")
+    c.add_argument("src", metavar="IN", help="input trace")
+    c.add_argument("dst", metavar="OUT", help="output file (written atomically)")
+    c.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: detected)")
+    c.add_argument("--to", dest="dst_format", choices=WRITABLE_FORMATS,
+                   help="output format (default: from OUT's suffix)")
+    c.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
+    c.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
+                   help="tokens per hash id of the input (Mooncake: 512; kvsim CSV/Parquet: where empty)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.set_defaults(func=_cmd_convert)

@@ -1,0 +1,512 @@
+"""GPU KV block pool with prefix caching, and per-kind block allocation.
+
+What it models
+    vLLM's ``BlockPool`` (one pool shared by every KV cache group of a hybrid
+    model): block 0 is the shared *null* block that stands for positions a
+    window-type group does not retain; the other blocks sit in a free queue
+    in id order; ``get_new_blocks`` pops from the head of the queue (evicting
+    the prefix-cache entry of a block that still carried a hash); freed
+    blocks are appended at the tail, a request's blocks in reverse order so
+    that its tail is reused first; a cached block found by a prefix hit is
+    *touched* (taken out of the free queue while referenced).
+
+    Allocation for a new request with L locally computed tokens and E
+    external tokens (N = L + E) follows vLLM's three phases, each over all
+    groups in order (spec §5.1): (1) pad the block list with
+    ``skipped(N) // bs`` null blocks and keep the local-hit blocks after them;
+    (2) append fresh blocks up to ``cdiv(N, bs)`` for the external tokens when
+    the group retains any of them; (3) append fresh blocks up to the slots
+    the step needs (``cdiv(N + new tokens + lookahead, bs)``). Fresh blocks
+    carry no hash until they are committed.
+
+Simplifications
+    * The admission check counts the blocks the request still needs, without
+      vLLM's watermark or the cost of evicting cached blocks.
+    * A prefix hit is found per group with the kind's rule and the groups
+      are brought to a common boundary by a fixed point (vLLM's hybrid
+      coordinator does the same with attention-type specific steps); EAGLE's
+      dropped last block and partial-block hits are not modelled.
+
+Invariants
+    * a block is in the free queue exactly when its ref count is 0;
+    * the null block is never in the free queue and never freed;
+    * a hashed block is findable in the prefix cache until it is reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sim.model.layout import GroupKind, Layout, cdiv
+
+__all__ = ["NULL_BLOCK_ID", "Block", "BlockPool", "GpuInvariantError", "GpuKVCache"]
+
+NULL_BLOCK_ID = 0
+
+
+class GpuInvariantError(RuntimeError):
+    """A simulator bug: the GPU pool's bookkeeping is inconsistent."""
+
+
+class Block:
+    """One GPU KV block. ``block_hash`` is ``(hash, group)`` once committed."""
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: tuple[int, int] | None = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Free queue, prefix-cache map and reference counts of all GPU blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError("a GPU block pool needs at least 2 blocks (one is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.null_block.ref_cnt = 1  # pinned forever
+        #: head = next block handed out; ordered by id initially, then by free time
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._cached: dict[tuple[int, int], Block] = {}
+        #: blocks whose cached hash was dropped because they were reused
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by some request (the null block excluded)."""
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache."""
+        return len(self._cached)
+
+    def free_ids_head(self, n: int) -> list[int]:
+        """Ids of the next ``n`` blocks :meth:`get_new_blocks` would hand out."""
+        return list(itertools.islice(self._free, n))
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Pop ``n`` blocks from the head of the free queue (ref count 1, no hash)."""
+        free = self._free
+        if n > len(free):
+            raise GpuInvariantError(f"asked for {n} blocks with {len(free)} free")
+        pop = free.popitem
+        out = [pop(last=False)[1] for _ in range(n)]
+        cached = self._cached
+        for b in out:
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                if cached.get(h) is b:
+                    del cached[h]
+                b.block_hash = None
+                self.num_evicted += 1
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
+        for b in blocks:
+            if b.block_id == NULL_BLOCK_ID:
+                continue
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference of each block, in the given order; blocks reaching
+        0 go to the tail of the free queue (keeping their hash for reuse)."""
+        for b in blocks:
+            if b.block_id == NULL_BLOCK_ID:
+                continue
+            if b.ref_cnt <= 0:
+                raise GpuInvariantError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def commit(self, block: Block, block_hash: tuple[int, int]) -> None:
+        """Give a computed block its hash (it becomes a prefix-cache entry)."""
+        if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        if self.enable_caching and block_hash not in self._cached:
+            self._cached[block_hash] = block
+
+    def cached(self, block_hash: tuple[int, int]) -> Block | None:
+        """The cached block with this hash, if any."""
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def check_invariants(self) -> None:
+        """Raise :class:`GpuInvariantError` on inconsistent bookkeeping."""
+        for b in self.blocks[1:]:
+            if (b.ref_cnt == 0) != (b.block_id in self._free):
+                raise GpuInvariantError(f"{b} free-queue membership disagrees with its ref count")
+            if b.ref_cnt < 0:
+                raise GpuInvariantError(f"{b} has a negative ref count")
+        for h, b in self._cached.items():
+            if b.block_hash != h:
+                raise GpuInvariantError(f"prefix cache maps {h} to {b}")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Per-group block lists of one request after an allocation."""
+
+    blocks: tuple[list[Block], ...]
+    new_block_ids: tuple[tuple[int, ...], ...]
+    #: per group, how many leading entries are the null block
+    null_prefix: tuple[int, ...]
+
+
+class GpuKVCache:
+    """Per-group block tables over one shared :class:`BlockPool`.
+
+    Args:
+        layout: the KV cache groups.
+        num_blocks: size of the shared pool, the null block included.
+        enable_caching: GPU prefix caching on or off.
+    """
+
+    def __init__(self, layout: Layout, num_blocks: int, enable_caching: bool = True) -> None:
+        self.layout = layout
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, tuple[list[Block], ...]] = {}
+        #: per request and group: blocks below this index are committed or null
+        self._committed: dict[str, list[int]] = {}
+        #: per request and group: blocks below this index were replaced by null
+        self._skipped: dict[str, list[int]] = {}
+        self._bs = tuple(g.tokens_per_block for g in layout.groups)
+        self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
+
+    # -- retention ------------------------------------------------------------------
+
+    def retained_range(self, g: int, num_tokens: int) -> tuple[int, int]:
+        """Block index range ``[first, end)`` group ``g`` keeps real at boundary
+        ``num_tokens`` (spec §5.1 table)."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        end = cdiv(num_tokens, bs)
+        if spec.kind is GroupKind.MAMBA:
+            return (max(0, (num_tokens - 1) // bs), end)
+        return (spec.skipped_tokens(num_tokens) // bs, end)
+
+    def _block_hash(self, g: int, block_hashes: Sequence[int], i: int) -> tuple[int, int]:
+        return (block_hashes[(i + 1) * self._hpb[g] - 1], g)
+
+    # -- prefix cache hits -------------------------------------------------------------
+
+    def find_hit(self, block_hashes: Sequence[int], max_tokens: int) -> tuple[int, tuple[list[Block], ...]]:
+        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``.
+
+        Returns:
+            ``(L, blocks)`` with per-group hit lists of ``L // bs_g`` entries
+            (null where the kind does not need the block).
+        """
+        layout = self.layout
+        if not self.pool.enable_caching:
+            return 0, tuple([] for _ in layout.groups)
+        hit = max_tokens
+        changed = True
+        while changed and hit > 0:
+            changed = False
+            for g in layout.lookup_order:
+                h = self._group_hit(g, block_hashes, hit)
+                if h < hit:
+                    hit, changed = h, True
+        lists = tuple(self._hit_blocks(g, block_hashes, hit) for g in range(len(layout.groups)))
+        return hit, lists
+
+    def _group_hit(self, g: int, block_hashes: Sequence[int], max_tokens: int) -> int:
+        bs = self._bs[g]
+        n = max_tokens // bs
+        pool = self.pool
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.FULL:
+            i = 0
+            while i < n and pool.cached(self._block_hash(g, block_hashes, i)) is not None:
+                i += 1
+            return i * bs
+        if spec.kind is GroupKind.MAMBA:
+            for i in range(n - 1, -1, -1):
+                if pool.cached(self._block_hash(g, block_hashes, i)) is not None:
+                    return (i + 1) * bs
+            return 0
+        # sliding window / chunked local: the largest boundary ``end`` whose
+        # retained blocks [first(end), end) are all cached. Scan runs of cached
+        # blocks from the right; first(end) never decreases with end, so within
+        # a run [j, i] only end = i + 1 can qualify. Each block is looked at once.
+        # (A boundary that retains nothing -- a chunked-local boundary on its
+        # attention chunk, or a window of one token -- qualifies as it is.)
+        empty = 0
+        if spec.kind is GroupKind.CHUNKED_LOCAL:
+            for end in range(n, 0, -1):
+                if self.retained_range(g, end * bs)[0] >= end:
+                    empty = end
+                    break
+        elif (spec.window or 0) + spec.extra_retained_tokens <= 1:
+            empty = n
+        i = n - 1
+        while i >= empty:
+            if pool.cached(self._block_hash(g, block_hashes, i)) is None:
+                i -= 1
+                continue
+            j = i
+            while j > 0 and pool.cached(self._block_hash(g, block_hashes, j - 1)) is not None:
+                j -= 1
+            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+                return (i + 1) * bs
+            i = j - 2
+        return empty * bs
+
+    def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[Block]:
+        n = hit // self._bs[g]
+        first, _ = self.retained_range(g, hit)
+        if self.layout.groups[g].kind is GroupKind.FULL:
+            first = 0
+        out = [self.pool.null_block] * n
+        for i in range(first, n):
+            b = self.pool.cached(self._block_hash(g, block_hashes, i))
+            if b is None:
+                raise GpuInvariantError(f"hit block {i} of group {g} vanished")
+            out[i] = b
+        return out
+
+    # -- allocation ---------------------------------------------------------------------
+
+    def blocks_needed(self, local: Sequence[Sequence[Block]], local_tokens: int,
+                      external_tokens: int, num_slots: int) -> int:
+        """Fresh blocks a new request's allocation takes (plus cached hit blocks
+        it pulls out of the free queue)."""
+        total = 0
+        n_comp = local_tokens + external_tokens
+        for g in range(len(self.layout.groups)):
+            first, _ = self.retained_range(g, n_comp)
+            have = max(first, len(local[g]))
+            total += max(0, cdiv(max(num_slots, n_comp), self._bs[g]) - have)
+            total += sum(1 for b in local[g][first:] if b.ref_cnt == 0 and not b.is_null)
+        return total
+
+    def allocate_new(
+        self,
+        req_id: str,
+        local: Sequence[Sequence[Block]],
+        local_tokens: int,
+        external_tokens: int,
+        num_slots: int,
+    ) -> Allocation | None:
+        """First allocation of a request (vLLM ``allocate_slots`` for a new request).
+
+        Args:
+            req_id: request id.
+            local: per-group local-hit block lists (from :meth:`find_hit`).
+            local_tokens: L, locally computed tokens.
+            external_tokens: E, tokens to come from the connector.
+            num_slots: token slots needed after this step (>= L + E).
+
+        Returns:
+            The allocation, or None when the pool has too few free blocks.
+        """
+        if req_id in self.req_blocks:
+            raise GpuInvariantError(f"request {req_id} already has blocks")
+        if self.blocks_needed(local, local_tokens, external_tokens, num_slots) > self.pool.num_free:
+            return None
+        pool = self.pool
+        n_comp = local_tokens + external_tokens
+        ngroups = len(self.layout.groups)
+        lists: tuple[list[Block], ...] = tuple([] for _ in range(ngroups))
+        new_ids: list[list[int]] = [[] for _ in range(ngroups)]
+        nulls = [0] * ngroups
+        # phase 1: local hits after the null padding, every group first
+        for g in range(ngroups):
+            skip = self.layout.groups[g].skipped_tokens(n_comp) // self._bs[g]
+            kept = list(local[g][skip:])
+            pool.touch(kept)
+            lists[g].extend([pool.null_block] * skip)
+            lists[g].extend(kept)
+            nulls[g] = skip
+        # phase 2: fresh blocks for the retained external tokens
+        if external_tokens:
+            for g in range(ngroups):
+                spec = self.layout.groups[g]
+                skipped = spec.skipped_tokens(n_comp)
+                if min(n_comp - skipped, external_tokens) <= 0:
+                    continue
+                fresh = pool.get_new_blocks(max(0, cdiv(n_comp, self._bs[g]) - len(lists[g])))
+                lists[g].extend(fresh)
+                new_ids[g].extend(b.block_id for b in fresh)
+        # phase 3: slots for the tokens this step computes
+        for g in range(ngroups):
+            want = cdiv(num_slots, self._bs[g]) - len(lists[g])
+            if want > 0:
+                fresh = pool.get_new_blocks(want)
+                lists[g].extend(fresh)
+                new_ids[g].extend(b.block_id for b in fresh)
+        self.req_blocks[req_id] = lists
+        self._committed[req_id] = [0] * ngroups
+        self._skipped[req_id] = list(nulls)
+        return Allocation(lists, tuple(tuple(x) for x in new_ids), tuple(nulls))
+
+    def remove_skipped(self, req_id: str, num_computed: int) -> None:
+        """Free the blocks a window-type group no longer attends over once
+        ``num_computed`` tokens are computed (vLLM ``remove_skipped_blocks``):
+        they become null in the request's list and go to the free queue,
+        highest index first."""
+        lists = self.req_blocks[req_id]
+        skipped = self._skipped[req_id]
+        groups = self.layout.groups
+        pool = self.pool
+        null = pool.null_block
+        for g, blocks in enumerate(lists):
+            spec = groups[g]
+            if spec.kind is GroupKind.FULL:
+                continue
+            first = self.retained_range(g, num_computed)[0]
+            first = min(first, len(blocks))
+            done = skipped[g]
+            if first <= done:
+                continue
+            removed = []
+            for i in range(first - 1, done - 1, -1):
+                b = blocks[i]
+                if b.block_id != NULL_BLOCK_ID:
+                    removed.append(b)
+                    blocks[i] = null
+            skipped[g] = first
+            pool.free(removed)
+
+    def allocate_more(self, req_id: str, num_computed: int,
+                      num_slots: int) -> tuple[tuple[int, ...], ...] | None:
+        """Slots for a request that already holds blocks (vLLM ``allocate_slots``
+        for a running or promoted request): first free what the windows skip at
+        ``num_computed``, then append fresh blocks up to ``num_slots`` tokens.
+
+        Returns:
+            The new block ids per group, or None when the pool has too few free
+            blocks (the skipped blocks are freed all the same, as in vLLM).
+        """
+        self.remove_skipped(req_id, num_computed)
+        lists = self.req_blocks[req_id]
+        bs = self._bs
+        want = [cdiv(num_slots, bs[g]) - len(blocks) for g, blocks in enumerate(lists)]
+        if sum(w for w in want if w > 0) > self.pool.num_free:
+            return None
+        out: list[tuple[int, ...]] = []
+        for g, blocks in enumerate(lists):
+            w = want[g]
+            if w > 0:
+                fresh = self.pool.get_new_blocks(w)
+                blocks.extend(fresh)
+                out.append(tuple(b.block_id for b in fresh))
+            else:
+                out.append(())
+        return tuple(out)
+
+    def next_skip(self, g: int, skipped: int) -> int:
+        """Smallest computed-token count at which group ``g`` drops more than
+        ``skipped`` leading blocks (``retained_range`` inverted); a large number
+        for full attention."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        kind = spec.kind
+        if kind is GroupKind.SLIDING_WINDOW:
+            assert spec.window is not None
+            return (skipped + 1) * bs + spec.window - 1 + spec.extra_retained_tokens
+        if kind is GroupKind.CHUNKED_LOCAL:
+            assert spec.attention_chunk is not None
+            return cdiv((skipped + 1) * bs, spec.attention_chunk) * spec.attention_chunk
+        if kind is GroupKind.MAMBA:
+            return (skipped + 1) * bs + 1
+        return 1 << 62
+
+    def thresholds(self, req_id: str) -> tuple[int, int]:
+        """``(slots, computed)``: :meth:`allocate_more` and :meth:`commit` change
+        nothing while the slot count stays below ``slots`` and the computed count
+        below ``computed`` (lets a caller skip quiet decode steps)."""
+        lists = self.req_blocks[req_id]
+        done = self._committed[req_id]
+        skipped = self._skipped[req_id]
+        caching = self.pool.enable_caching
+        slots = comp = 1 << 62
+        for g, blocks in enumerate(lists):
+            bs = self._bs[g]
+            t = len(blocks) * bs + 1
+            if caching:
+                t = min(t, (done[g] + 1) * bs)
+            slots = min(slots, t)
+            if self.layout.groups[g].kind is not GroupKind.FULL:
+                comp = min(comp, self.next_skip(g, skipped[g]))
+        return slots, comp
+
+    def skipped_blocks(self, req_id: str) -> list[int]:
+        """Per group, how many leading blocks of the request are null (skipped)."""
+        return self._skipped[req_id]
+
+    def num_blocks_to_allocate(self, req_id: str, num_slots: int) -> int:
+        """Fresh blocks :meth:`allocate_more` would take for ``num_slots`` tokens."""
+        lists = self.req_blocks[req_id]
+        return sum(max(0, cdiv(num_slots, self._bs[g]) - len(b)) for g, b in enumerate(lists))
+
+    def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Give every complete, real block below ``num_tokens`` its hash
+        (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
+        lists = self.req_blocks[req_id]
+        done = self._committed[req_id]
+        caching = self.pool.enable_caching
+        cached = self.pool._cached
+        nh = len(block_hashes)
+        for g, blocks in enumerate(lists):
+            hpb = self._hpb[g]
+            n = min(num_tokens // self._bs[g], len(blocks), nh // hpb)
+            for i in range(done[g], n):
+                b = blocks[i]
+                if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
+                    h = (block_hashes[(i + 1) * hpb - 1], g)
+                    b.block_hash = h
+                    if caching and h not in cached:
+                        cached[h] = b
+            done[g] = max(done[g], n)
+
+    def free(self, req_id: str) -> None:
+        """Release every block of a request, tail first."""
+        lists = self.req_blocks.pop(req_id)
+        del self._committed[req_id]
+        del self._skipped[req_id]
+        for blocks in lists:
+            self.pool.free(reversed(blocks))
+
+    def seed_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Make the first ``num_tokens`` of a sequence a cached GPU prefix, as a
+        finished earlier request would leave it: the blocks each kind retains at
+        ``num_tokens`` are hashed, unreferenced and in the free queue."""
+        tmp = "__seed__"
+        empty: tuple[list[Block], ...] = tuple([] for _ in self.layout.groups)
+        alloc = self.allocate_new(tmp, empty, 0, 0, num_tokens)
+        if alloc is None:
+            raise GpuInvariantError("GPU pool too small to seed a prefix")
+        lists = self.req_blocks[tmp]
+        for g, blocks in enumerate(lists):
+            first, _ = self.retained_range(g, num_tokens)
+            if self.layout.groups[g].kind is GroupKind.FULL:
+                first = 0
+            for i in range(first, num_tokens // self._bs[g]):
+                self.pool.commit(blocks[i], self._block_hash(g, block_hashes, i))
+        self.free(tmp)

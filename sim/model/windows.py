@@ -1,0 +1,324 @@
+"""OLD (vLLM 0.29.0) and NEW (vLLM 0.30.0) behaviour profiles, side by side.
+
+Every rule in which the two versions of the OffloadingConnector scheduler
+differ lives here, as a method of a small profile object that the connector
+consults. No other module branches on the window logic.
+
+The headline difference (spec §4.6, §6): the lookup verifies a window of
+``w_g = cdiv(W, tpc)`` chunks whose right edge is rounded UP to the group's
+chunk grid, but GPU allocation retains the window that ends at the actual hit
+boundary N, which for an unaligned N reaches one chunk further left. OLD then
+loads a chunk it never looked up; NEW demands ``loadwin_g(N)`` chunks for the
+first (rightmost) run of the window search, tracks store-pending chunks only
+inside the run it returns, and uses ``loadwin_g(N)`` for the
+"chunks being loaded" check as well.
+
+The other differences modelled:
+
+================================  ===========================  ===========================
+rule                              OLD (0.29.0)                 NEW (0.30.0)
+================================  ===========================  ===========================
+window search, first run          ``need`` chunks              ``loadwin(cand) (+1 eagle)``
+HIT_PENDING in the window scan    defers, wherever it is       defers only inside the run
+EAGLE query widening (peek)       window-type groups only      every EAGLE group
+being-loaded check window         ``w_g``                      ``loadwin(C + hit)``
+load start search after alloc     from block 0, C <= first*bs  from ``cdiv(C, bs)``
+store length at finish            ``num_tokens``               ``max(prompt, tokens - 1)``
+EAGLE tail excluded from stores   while decoding               while decoding, not finished
+storable chunks capped by keys    no                           yes
+spec decode, no group annotated   every group is EAGLE         no group is EAGLE
+store reachability (window)       frontier-judged segments     block mask, store horizon
+================================  ===========================  ===========================
+
+Simplification: the ``extra_retained_tokens`` term of the load window only
+appears in vLLM 0.33 ("LATEST") and is deliberately not applied by NEW, which
+is faithful to 0.30 (spec §10 E4: both versions crash).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from sim.model.cpu_cache import LookupResult, OffloadKey
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
+
+__all__ = ["NEW", "OLD", "WindowLogic", "WindowProfile", "profile"]
+
+_HIT = LookupResult.HIT
+_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
+
+Lookup = Callable[[OffloadKey], LookupResult]
+
+
+class WindowLogic(enum.StrEnum):
+    """Which vLLM version's scheduler logic to model."""
+
+    OLD = "old"
+    NEW = "new"
+
+
+class WindowProfile:
+    """Behaviour shared by both versions; subclasses override what differs."""
+
+    logic: ClassVar[WindowLogic]
+    #: EAGLE peek widening applies to full-attention EAGLE groups too.
+    widens_full_attention_eagle: ClassVar[bool]
+    #: when speculative decoding is on and no group is annotated as a drafter,
+    #: every group is treated as an EAGLE group (OLD) or none is (NEW).
+    unannotated_eagle_means_all: ClassVar[bool]
+    #: storable chunks are capped by the number of keys of the group.
+    caps_storable_by_keys: ClassVar[bool]
+
+    # -- lookup -------------------------------------------------------------------
+
+    def window_scan(
+        self, lookup: Lookup, keys: Sequence[OffloadKey], need: int, initial: int | None
+    ) -> int | None:
+        """Suffix-window search (spec §4.4): end index (exclusive, relative to
+        ``keys``) of the rightmost run of hits long enough, scanning right to left;
+        the leftover run touching index 0 when none is; None to defer."""
+        raise NotImplementedError
+
+    def initial_window(self, group: GroupSpec, tpc: int, w: int, cand: int) -> int | None:
+        """Chunks the first (rightmost) run must have, before any EAGLE term;
+        None to use the ordinary window."""
+        raise NotImplementedError
+
+    def eagle_widens(self, group: GroupSpec) -> bool:
+        """Whether an unverified EAGLE group's query peeks one chunk further right."""
+        return group.kind is not GroupKind.FULL or self.widens_full_attention_eagle
+
+    def being_loaded_window(self, group: GroupSpec, tpc: int, w: int | None, boundary: int) -> int | None:
+        """How many trailing chunks of a window group's hit range the
+        being-loaded check inspects (None: the whole range, full attention)."""
+        raise NotImplementedError
+
+    # -- load job construction (update_state_after_alloc) ---------------------------
+
+    def load_search_start(self, local_tokens: int, tokens_per_block: int) -> int:
+        """Block index where the search for the first fresh block starts."""
+        raise NotImplementedError
+
+    def local_boundary_violation(self, local_tokens: int, first: int, tokens_per_block: int) -> str | None:
+        """The assertion on the local boundary; a message when it fails."""
+        raise NotImplementedError
+
+    # -- store path -----------------------------------------------------------------
+
+    def finished_store_tokens(self, num_prompt_tokens: int, num_tokens: int) -> int:
+        """Tokens whose KV may be stored once a request has finished (spec §7.1)."""
+        raise NotImplementedError
+
+    def eagle_tail_excluded(self, decoding: bool, finished: bool) -> bool:
+        """Whether an EAGLE group's last chunk is kept out of stores."""
+        raise NotImplementedError
+
+    def reachable_chunks(
+        self,
+        layout: Layout,
+        g: int,
+        eagle: bool,
+        start: int,
+        end: int,
+        storable: int,
+        horizon: int | None,
+    ) -> list[bool] | None:
+        """Store reachability of chunks ``[start, end)`` of window group ``g``
+        (spec §7.3); None means every chunk is reachable."""
+        raise NotImplementedError
+
+
+def load_window(group: GroupSpec, tpc: int, w: int, boundary: int) -> int:
+    """``loadwin_g(N)`` of vLLM 0.30 (spec §4.6): chunks that GPU allocation
+    retains for a hit ending at ``boundary``; ``w`` for every kind but
+    sliding window."""
+    if group.kind is not GroupKind.SLIDING_WINDOW:
+        return w
+    assert group.window is not None
+    pad = -boundary % tpc
+    return max(w, cdiv(group.window - 1 + pad, tpc))
+
+
+class _Old(WindowProfile):
+    logic = WindowLogic.OLD
+    widens_full_attention_eagle = False
+    unannotated_eagle_means_all = True
+    caps_storable_by_keys = False
+
+    def window_scan(
+        self, lookup: Lookup, keys: Sequence[OffloadKey], need: int, initial: int | None
+    ) -> int | None:
+        run = 0
+        deferred = False
+        for idx in range(len(keys) - 1, -1, -1):
+            r = lookup(keys[idx])
+            if r is _HIT:
+                run += 1
+            elif r is _PENDING:
+                run += 1
+                deferred = True
+            else:
+                run = 0
+                if r is _RETRY:
+                    deferred = True
+            if run == need:
+                return None if deferred else idx + need
+        return None if deferred else run
+
+    def initial_window(self, group: GroupSpec, tpc: int, w: int, cand: int) -> int | None:
+        return None
+
+    def being_loaded_window(self, group: GroupSpec, tpc: int, w: int | None, boundary: int) -> int | None:
+        return w
+
+    def load_search_start(self, local_tokens: int, tokens_per_block: int) -> int:
+        return 0
+
+    def local_boundary_violation(self, local_tokens: int, first: int, tokens_per_block: int) -> str | None:
+        if local_tokens <= first * tokens_per_block:
+            return None
+        return (
+            f"load would start at block {first} (token {first * tokens_per_block}) "
+            f"below the local boundary {local_tokens}"
+        )
+
+    def finished_store_tokens(self, num_prompt_tokens: int, num_tokens: int) -> int:
+        return num_tokens
+
+    def eagle_tail_excluded(self, decoding: bool, finished: bool) -> bool:
+        return decoding
+
+    def reachable_chunks(
+        self,
+        layout: Layout,
+        g: int,
+        eagle: bool,
+        start: int,
+        end: int,
+        storable: int,
+        horizon: int | None,
+    ) -> list[bool] | None:
+        # Segments of the full-attention chunk grid; within each, only the last
+        # w (+1 eagle) chunks can serve a hit. The partial last segment is judged
+        # against the current frontier ``storable``.
+        align = layout.alignment_tokens
+        tpc = layout.tokens_per_chunk[g]
+        w = layout.window_chunks[g]
+        if align is None or w is None or align <= tpc:
+            return None
+        per_segment = align // tpc
+        if w >= per_segment:
+            return None
+        tail = w + int(eagle)
+        mask = []
+        for a in range(start, end):
+            pos = a % per_segment
+            seg_len = min(per_segment, storable - (a - pos))
+            mask.append(pos >= seg_len - tail)
+        return mask
+
+
+class _New(WindowProfile):
+    logic = WindowLogic.NEW
+    widens_full_attention_eagle = True
+    unannotated_eagle_means_all = False
+    caps_storable_by_keys = True
+
+    def window_scan(
+        self, lookup: Lookup, keys: Sequence[OffloadKey], need: int, initial: int | None
+    ) -> int | None:
+        required = initial or need
+        run = 0
+        deferred = False
+        pending_in_run = False
+        for idx in range(len(keys) - 1, -1, -1):
+            r = lookup(keys[idx])
+            if r is _HIT:
+                run += 1
+            elif r is _PENDING:
+                run += 1
+                pending_in_run = True
+            else:
+                # A gap: any window left of it ends chunk-aligned, so the
+                # ordinary window suffices from here on.
+                run = 0
+                pending_in_run = False
+                required = need
+                if r is _RETRY:
+                    deferred = True
+            if run == required:
+                return None if deferred or pending_in_run else idx + required
+        return None if deferred or pending_in_run else run
+
+    def initial_window(self, group: GroupSpec, tpc: int, w: int, cand: int) -> int | None:
+        return load_window(group, tpc, w, cand)
+
+    def being_loaded_window(self, group: GroupSpec, tpc: int, w: int | None, boundary: int) -> int | None:
+        return None if w is None else load_window(group, tpc, w, boundary)
+
+    def load_search_start(self, local_tokens: int, tokens_per_block: int) -> int:
+        return cdiv(local_tokens, tokens_per_block)
+
+    def local_boundary_violation(self, local_tokens: int, first: int, tokens_per_block: int) -> str | None:
+        if local_tokens % tokens_per_block == 0:
+            return None
+        return f"local boundary {local_tokens} is not a multiple of the block size {tokens_per_block}"
+
+    def finished_store_tokens(self, num_prompt_tokens: int, num_tokens: int) -> int:
+        return max(num_prompt_tokens, num_tokens - 1)
+
+    def eagle_tail_excluded(self, decoding: bool, finished: bool) -> bool:
+        return decoding and not finished
+
+    def reachable_chunks(
+        self,
+        layout: Layout,
+        g: int,
+        eagle: bool,
+        start: int,
+        end: int,
+        storable: int,
+        horizon: int | None,
+    ) -> list[bool] | None:
+        # Block-granular mask of the GPU manager: the last ``need`` blocks of
+        # every full-attention segment (shifted right by one for EAGLE); the
+        # final partial segment judged against the store horizon (in chunks)
+        # rather than the frontier. A chunk is reachable if any block is.
+        group = layout.groups[g]
+        if group.kind is not GroupKind.SLIDING_WINDOW:
+            return None  # chunked-local and mamba masks are not modelled: dense
+        align = layout.alignment_tokens
+        bs = group.tokens_per_block
+        if align is None or align % bs:
+            return None
+        assert group.window is not None
+        need = cdiv(group.window - 1, bs) + int(eagle)
+        per_segment = align // bs
+        if need >= per_segment:
+            return None
+        shift = int(eagle)
+        bpc = layout.blocks_per_chunk
+        b0, b1 = start * bpc, end * bpc
+        blocks = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(b0, b1)]
+        if horizon is not None and not eagle:
+            final_end = horizon * bpc
+            final_size = final_end % per_segment
+            if final_size:
+                tail_start = max(final_end - final_size, final_end - need)
+                for i in range(max(b0, tail_start), min(b1, final_end)):
+                    blocks[i - b0] = True
+        return [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(end - start)]
+
+
+OLD: WindowProfile = _Old()
+NEW: WindowProfile = _New()
+
+_PROFILES = {WindowLogic.OLD: OLD, WindowLogic.NEW: NEW}
+
+
+def profile(logic: WindowLogic | str) -> WindowProfile:
+    """The profile object of ``logic`` ("old" or "new")."""
+    return _PROFILES[WindowLogic(logic)]

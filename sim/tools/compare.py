@@ -1,0 +1,817 @@
+"""OLD versus NEW on the same scenario and seed (``kvsim compare``).
+
+What it does
+    :func:`compare_runs` runs one ``run/1`` scenario twice, with
+    ``window_logic = "old"`` (vLLM 0.29.0) and ``"new"`` (vLLM 0.30.0); any
+    ``window_logic`` in the file or in the overrides is replaced per run.
+    Both runs use the same seed, so they see the same requests and differ
+    only through the profile objects of :mod:`sim.model.windows`. Each run goes
+    through :func:`sim.io.results.execute` into its own run folder, in two
+    processes (a spawn-safe top-level worker; ``jobs = 1`` runs them one
+    after the other in this process). Then the two folders are read back and
+    compared.
+
+Folder (``results/<name>/compare/`` unless ``out`` names it)::
+
+    old/ new/          the two run folders (see sim.io.results)
+    compare.md         the report: side-by-side figures, diverging requests,
+                       reproducers, the figure, wall-clock timings
+    compare.json       the figures of the report (section "timing" is the
+                       only one that differs between two compares of the
+                       same scenario)
+    compare.png        OLD left, NEW right (sim.tools.plots.old_vs_new): modelled
+                       crashes / hazards / integrity violations over time,
+                       tokens loaded from the CPU cache, TTFT CDF
+    diverged.parquet   one row per request whose outcome differs (columns:
+                       :data:`DIVERGED_COLUMNS`), ``how`` says it in words
+
+    The folder is written like a run folder: into a temporary folder beside
+    the target, renamed onto it at the end; a non-empty target is refused
+    unless ``overwrite``; bad input (scenario, overrides, a bad trace line)
+    leaves nothing behind.
+
+Divergence
+    A request diverges when any of ``status``, ``crash``, ``cpu_hit_tokens``,
+    ``cpu_reload_tokens``, ``computed_tokens``, ``deferrals``,
+    ``first_token_s``, ``finish_s`` differs between the two runs (exactly:
+    two runs of the same events give the same floats), or when it appears in
+    one run only (``status`` "absent" on the other side, e.g. after
+    ``on_crash = "stop"``).
+
+Reproducers
+    A run folder may hold ``reproducers/*.toml``: ``check/1`` cases written by
+    the engine for every modelled crash or hazard. The report lists them
+    with the request and the event they stand for; with
+    ``verify_reproducers`` each one is replayed with :mod:`sim.io.check` and the
+    report says whether its expectations hold and whether the run's own
+    logic gives the recorded event in isolation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.errors import InputError
+
+__all__ = [
+    "DIVERGED_COLUMNS",
+    "LOGICS",
+    "CompareResult",
+    "compare_runs",
+    "describe_divergence",
+    "diverged_requests",
+    "format_table",
+    "list_reproducers",
+    "load_compare",
+    "logic_figures",
+    "markdown_report",
+    "verify_reproducer",
+]
+
+#: the two window logics, in report order
+LOGICS: tuple[str, str] = ("old", "new")
+
+#: per-logic request columns compared (and copied into ``diverged.parquet``)
+_OUTCOME: tuple[tuple[str, str], ...] = (
+    ("status", "string"), ("crash", "string"), ("cpu_hit_tokens", "int64"),
+    ("cpu_reload_tokens", "int64"), ("computed_tokens", "int64"), ("deferrals", "int64"),
+    ("first_token_s", "float64"), ("ttft_s", "float64"), ("finish_s", "float64"),
+)
+
+#: columns of ``diverged.parquet``, in order
+DIVERGED_COLUMNS: tuple[str, ...] = (
+    "req_id", "arrival_s", *(f"{lg}_{c}" for lg in LOGICS for c, _ in _OUTCOME), "how")
+
+#: requests listed by name in the printed table and the report
+_SHOWN = 5
+_REPORT_SHOWN = 20
+
+
+@dataclass
+class CompareResult:
+    """A compare folder (written by :func:`compare_runs` or read by :func:`load_compare`).
+
+    Attributes:
+        path: the compare folder.
+        runs: logic -> its run folder (``path / "old"``, ``path / "new"``).
+        figures: the contents of ``compare.json``.
+        diverged: ``diverged.parquet`` as a DataFrame (columns :data:`DIVERGED_COLUMNS`).
+        status: ``"ok"``, or ``"failed"`` when a run failed (its ``summary.json`` says why).
+    """
+
+    path: Path
+    runs: dict[str, Path]
+    figures: dict[str, Any]
+    diverged: Any
+    status: str = "ok"
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def report(self) -> Path:
+        """``compare.md``."""
+        return self.path / "compare.md"
+
+    @property
+    def plot(self) -> Path:
+        """``compare.png``."""
+        return self.path / "compare.png"
+
+
+# -- the two runs -----------------------------------------------------------------------
+
+
+def _logic_overrides(overrides: Sequence[str | tuple[str, str]], logic: str) -> list[str | tuple[str, str]]:
+    """The user's overrides with the compare's own ``window_logic`` last (it wins)."""
+    return [*overrides, ("compare", f"window_logic={logic}")]
+
+
+def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
+    """Run one logic of a compare into ``task["target"]`` (top-level: a spawn-safe worker).
+
+    The scenario is loaded again here from its file and overrides (the
+    same resolution as in the parent, which validated it), so that nothing
+    but plain data crosses the process boundary. Bad input found while
+    running (a bad trace line) comes back as ``input_error``.
+    """
+    import time
+    import traceback
+
+    from sim.io.results import RunWriter, execute
+    from sim.io.scenario import load_run
+
+    logic = str(task["logic"])
+    bar: Any = None
+    try:
+        spec = load_run(Path(task["scenario"]), _logic_overrides(task["overrides"], logic))
+        writer = RunWriter(Path(task["target"]))
+        if task["progress"]:
+            from tqdm import tqdm
+
+            bar = tqdm(total=spec.expected_requests, unit="req", desc=f"{spec.name} {logic.upper()}",
+                       file=sys.stderr, position=int(task["position"]), leave=True, dynamic_ncols=True)
+
+        def progress(finished: int, sim_time_s: float) -> None:
+            if bar is not None:
+                bar.set_postfix_str(f"sim {sim_time_s:.1f} s", refresh=False)
+                bar.update(finished - bar.n)
+
+        t0 = time.perf_counter()
+        outcome = execute(spec, writer, progress=progress, argv=list(task["argv"]))
+        wall_s = time.perf_counter() - t0
+    except InputError as exc:
+        return {"logic": logic, "input_error": [exc.source, exc.key, exc.problem, exc.allowed]}
+    finally:
+        if bar is not None:
+            bar.close()
+    err = outcome.error
+    return {"logic": logic, "status": outcome.status, "folder": str(outcome.folder), "wall_s": wall_s,
+            "error": None if err is None else str(outcome.summary.get("error", err)),
+            "traceback": None if err is None else "".join(traceback.format_exception(err))}
+
+
+def _run_both(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    if jobs <= 1:
+        return [_run_logic(t) for t in tasks]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
+        return list(pool.map(_run_logic, tasks))
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise InputError(str(target), "", "exists and is not a folder", "a new or empty folder")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise InputError(str(target), "", "compare folder exists and is not empty",
+                         "a new or empty folder, or --overwrite")
+
+
+def _missing_parents(target: Path) -> list[Path]:
+    """Folders above ``target`` that do not exist yet, innermost first."""
+    out = []
+    p = target.parent
+    while not p.exists():
+        out.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    return out
+
+
+def compare_runs(spec_path: str | Path, out: str | Path | None = None,
+                 overrides: Sequence[str | tuple[str, str]] = (), jobs: int = 2, progress: bool = False,
+                 *, overwrite: bool = False, verify_reproducers: bool = False,
+                 argv: Sequence[str] = ()) -> CompareResult:
+    """Run a scenario under OLD and NEW and write the compare folder.
+
+    Args:
+        spec_path: the ``run/1`` scenario.
+        out: the compare folder (default ``results/<name>/compare``).
+        overrides: ``--set``-style overrides (``"key=value"`` or ``(option, "key=value")``),
+            applied before the compare's own ``window_logic``.
+        jobs: 2 runs the two logics in parallel processes; 1 runs them here, in turn.
+        progress: show a progress bar per run on stderr.
+        overwrite: replace a non-empty compare folder.
+        verify_reproducers: replay every reproducer with :mod:`sim.io.check`.
+        argv: the command line, for the runs' ``run_info.json``.
+
+    Returns:
+        The result; ``status`` is ``"failed"`` when a run failed (the folder
+        is written all the same, with what could be compared).
+
+    Raises:
+        InputError: bad scenario, overrides, arguments or trace; nothing is created then.
+    """
+    import time
+
+    from sim.io.scenario import load_run
+
+    if type(jobs) is not int or jobs < 1:
+        raise InputError("argument", "--jobs", f"{jobs!r}", "1 (one run after the other) or 2 (in parallel)")
+    spec_path = Path(spec_path)
+    specs = {lg: load_run(spec_path, _logic_overrides(overrides, lg)) for lg in LOGICS}
+    spec = specs["old"]
+    target = Path(out) if out is not None else Path("results") / spec.name / "compare"
+    _check_target(target, overwrite)
+    created = _missing_parents(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    def abort() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first; only the ones this call made, if still empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    try:
+        tasks = [{"logic": lg, "scenario": str(spec_path), "overrides": list(overrides),
+                  "target": str(tmp / lg), "progress": progress, "position": i, "argv": list(argv)}
+                 for i, lg in enumerate(LOGICS)]
+        t0 = time.perf_counter()
+        done = {r["logic"]: r for r in _run_both(tasks, jobs)}
+        wall_s = time.perf_counter() - t0
+        for lg in LOGICS:
+            bad = done[lg].get("input_error")
+            if bad is not None:
+                raise InputError(*bad)
+        scenario = {"source": str(spec_path), "name": spec.name, "seed": spec.scenario.seed,
+                    "overrides": [o if isinstance(o, str) else f"{o[0]} {o[1]}" for o in overrides],
+                    "copy_path": spec.scenario.copy_path.enabled,
+                    "describe": spec.describe().rsplit(", logic ", 1)[0]}
+        timing = {"jobs": min(jobs, 2), "wall_clock_s": wall_s,
+                  **{f"{lg}_wall_clock_s": done[lg]["wall_s"] for lg in LOGICS}}
+        result = _write_compare(tmp, scenario, timing, verify_reproducers)
+    except BaseException:
+        abort()
+        raise
+    from sim.io.results import move_into_place
+
+    move_into_place(tmp, target)
+    result.path = target
+    result.runs = {lg: target / lg for lg in LOGICS}
+    result.errors = {lg: str(done[lg]["traceback"]) for lg in LOGICS if done[lg].get("traceback")}
+    return result
+
+
+# -- figures of one run -----------------------------------------------------------------
+
+
+def logic_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """The figures a compare reports, from one run's ``summary.json``.
+
+    A failed run gives ``{"status": "failed", "error": ...}`` only.
+    """
+    if summary.get("status") == "failed" or "requests" not in summary:
+        return {"status": "failed", "error": summary.get("error")}
+    tok, tr, eng = summary["tokens"], summary["transfers"], summary["engine"]
+    rep = summary.get("reproducers") or {}
+    return {
+        "status": "ok",
+        "end": summary.get("end", "ok"),
+        "requests": dict(summary["requests"]),
+        "crashes": dict(summary["crashes"]),
+        "hazards": dict(summary["hazards"]),
+        "integrity_violations": summary.get("integrity_violations", 0),
+        "deferrals": {"count": eng["deferrals"], "reasons": dict(eng.get("deferral_reasons", {}))},
+        "tokens": {"external_hit": tok["cpu_hit"] + tok.get("cpu_reload", 0), "cpu_hit": tok["cpu_hit"],
+                   "cpu_reload": tok.get("cpu_reload", 0), "recomputed": tok["recomputed"],
+                   "computed": tok["computed"], "gpu_hit": tok["gpu_hit"], "prompt": tok["prompt"]},
+        "bytes": {"h2d": tr["h2d_bytes"], "d2h": tr["d2h_bytes"]},
+        "ttft_s": dict(summary["ttft_s"]),
+        "tpot_s": {"mean": summary["tpot_s"].get("mean"), "p50": summary["tpot_s"].get("p50")},
+        "throughput": dict(summary["throughput"]),
+        "preemptions": eng["preemptions"],
+        "sim_time_s": summary.get("sim_time_s"),
+        "reproducers_written": rep.get("count", 0),
+    }
+
+
+# -- diverging requests -----------------------------------------------------------------
+
+
+def _same(a: Any, b: Any) -> bool:
+    a_none = a is None or (isinstance(a, float) and math.isnan(a))
+    b_none = b is None or (isinstance(b, float) and math.isnan(b))
+    if a_none or b_none:
+        return a_none and b_none
+    return bool(a == b)
+
+
+def _clean(v: Any) -> Any:
+    """pandas scalars as plain Python values, missing as None."""
+    if v is None:
+        return None
+    try:
+        import pandas as pd
+
+        if pd.isna(v):
+            return None
+    except (TypeError, ValueError):
+        pass
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def describe_divergence(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """How one request's outcome differs between OLD and NEW, in words.
+
+    ``old`` and ``new`` map the compared columns (``status``, ``crash``,
+    ``cpu_hit_tokens`` ...) to values; ``status`` "absent" marks a request
+    the run never recorded.
+    """
+    side = {"OLD": old, "NEW": new}
+    parts: list[str] = []
+    if old.get("status") == "absent" or new.get("status") == "absent":
+        missing = "OLD" if old.get("status") == "absent" else "NEW"
+        other = side["NEW" if missing == "OLD" else "OLD"]
+        return f"only in {'NEW' if missing == 'OLD' else 'OLD'} ({other.get('status')}); " \
+               f"{missing} never recorded it"
+    crash = {k: v.get("crash") for k, v in side.items()}
+    if not _same(crash["OLD"], crash["NEW"]):
+        bits = []
+        for name, c in crash.items():
+            r = side[name]
+            if c is not None:
+                bits.append(f"{name} crashed ({c})")
+            else:
+                hit = int(r.get("cpu_hit_tokens") or 0)
+                bits.append(f"{name} loaded {hit} tokens" if hit else f"{name} loaded nothing")
+        parts.append(", ".join(bits))
+    if not _same(old.get("status"), new.get("status")):
+        parts.append(f"OLD {old.get('status')}, NEW {new.get('status')}")
+    d_old, d_new = int(old.get("deferrals") or 0), int(new.get("deferrals") or 0)
+    if d_old != d_new:
+        if d_old == 0:
+            parts.append(f"NEW deferred {_times(d_new)}")
+        elif d_new == 0:
+            parts.append(f"OLD deferred {_times(d_old)}")
+        else:
+            parts.append(f"OLD deferred {_times(d_old)}, NEW {_times(d_new)}")
+    if _same(crash["OLD"], crash["NEW"]) and not _same(old.get("cpu_hit_tokens"), new.get("cpu_hit_tokens")):
+        parts.append(f"different CPU hit (OLD {old.get('cpu_hit_tokens')}, "
+                     f"NEW {new.get('cpu_hit_tokens')} tokens)")
+    if not _same(old.get("cpu_reload_tokens"), new.get("cpu_reload_tokens")):
+        parts.append(f"different CPU reload (OLD {old.get('cpu_reload_tokens')}, "
+                     f"NEW {new.get('cpu_reload_tokens')} tokens)")
+    if parts:
+        return "; ".join(parts)
+    if not _same(old.get("computed_tokens"), new.get("computed_tokens")):
+        return (f"different computed tokens (OLD {old.get('computed_tokens')}, "
+                f"NEW {new.get('computed_tokens')})")
+    ttft = not _same(old.get("first_token_s"), new.get("first_token_s"))
+    finish = not _same(old.get("finish_s"), new.get("finish_s"))
+    if ttft and finish:
+        return "different TTFT and finish time"
+    if ttft:
+        return "different TTFT only"
+    return "different finish time only"
+
+
+_TIMING_ONLY = ("different TTFT", "different finish time")
+
+
+def _diverged_figures(diverged: Any, total: int) -> dict[str, Any]:
+    """Counts of the diverging requests and the ones to show: those whose outcome
+    differs (crash, status, hit, reload, deferrals, computed tokens) first, by
+    arrival, then those that differ in timing only (a knock-on effect)."""
+    pairs = list(zip(diverged["req_id"], diverged["how"], strict=True))
+    outcome = [(r, h) for r, h in pairs if not h.startswith(_TIMING_ONLY)]
+    timing = [(r, h) for r, h in pairs if h.startswith(_TIMING_ONLY)]
+    shown = (outcome + timing)[:_REPORT_SHOWN]
+    return {"count": len(pairs), "requests": total, "outcome": len(outcome), "timing_only": len(timing),
+            "first": [{"req_id": r, "how": h} for r, h in shown]}
+
+
+def _rows_by_id(frame: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    cols = [c for c, _ in _OUTCOME if c != "ttft_s"]
+    for rec in frame.to_dict("records"):
+        row = {c: _clean(rec.get(c)) for c in cols}
+        arrival = _clean(rec.get("arrival_s"))
+        row["arrival_s"] = arrival
+        first = row["first_token_s"]
+        row["ttft_s"] = None if first is None or arrival is None else first - arrival
+        out[str(rec["req_id"])] = row
+    return out
+
+
+def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
+    """The requests whose outcome differs, one row each (columns :data:`DIVERGED_COLUMNS`),
+    ordered by arrival time, then request id."""
+    import pandas as pd
+
+    rows = {"old": _rows_by_id(old_requests), "new": _rows_by_id(new_requests)}
+    absent = {c: None for c, _ in _OUTCOME} | {"status": "absent", "arrival_s": None}
+    compared = [c for c, _ in _OUTCOME if c != "ttft_s"]
+    out: list[dict[str, Any]] = []
+    for rid in set(rows["old"]) | set(rows["new"]):
+        o = rows["old"].get(rid, absent)
+        n = rows["new"].get(rid, absent)
+        if all(_same(o[c], n[c]) for c in compared):
+            continue
+        arrival = o["arrival_s"] if o["arrival_s"] is not None else n["arrival_s"]
+        rec: dict[str, Any] = {"req_id": rid, "arrival_s": arrival}
+        for lg, r in (("old", o), ("new", n)):
+            for c, _ in _OUTCOME:
+                rec[f"{lg}_{c}"] = r[c]
+        rec["how"] = describe_divergence(o, n)
+        out.append(rec)
+    out.sort(key=lambda r: (r["arrival_s"] if r["arrival_s"] is not None else math.inf, r["req_id"]))
+    frame = pd.DataFrame(out, columns=list(DIVERGED_COLUMNS))
+    for lg in LOGICS:
+        for c, kind in _OUTCOME:
+            if kind == "int64":
+                frame[f"{lg}_{c}"] = frame[f"{lg}_{c}"].astype("Int64")
+            elif kind == "float64":
+                frame[f"{lg}_{c}"] = frame[f"{lg}_{c}"].astype("float64")
+    return frame
+
+
+def _diverged_schema() -> Any:
+    import pyarrow as pa
+
+    fields = [pa.field("req_id", pa.string(), nullable=False), pa.field("arrival_s", pa.float64())]
+    for lg in LOGICS:
+        fields += [pa.field(f"{lg}_{c}", getattr(pa, kind)()) for c, kind in _OUTCOME]
+    fields.append(pa.field("how", pa.string(), nullable=False))
+    return pa.schema(fields)
+
+
+def _write_diverged(path: Path, frame: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _diverged_schema()
+    cols = {name: [_clean(v) for v in frame[name].tolist()] for name in schema.names}
+    table = pa.Table.from_pydict(cols, schema=schema)
+    pq.write_table(table, path, compression="zstd", compression_level=3, write_statistics=True,
+                   use_dictionary=True, write_page_index=False, store_schema=True)
+
+
+# -- reproducers ------------------------------------------------------------------------
+
+_HEAD = re.compile(r"^# reproducer: (?P<kind>\S+) (?P<detail>\S+) of request (?P<req>\S+) at t = "
+                   r"(?P<t>[0-9.eE+-]+) s \((?P<logic>\w+) logic\)")
+_ISOLATION = re.compile(r"^# reproduced in isolation: (?P<yes>yes|no)")
+
+
+def list_reproducers(run_folder: Path, events: Any = None) -> list[dict[str, Any]]:
+    """The ``reproducers/*.toml`` of a run folder (none when the folder is absent).
+
+    Each entry: ``file`` (relative to the run folder), ``kind`` (crash |
+    hazard), ``detail`` (crash or hazard kind), ``req_id``, ``t_s``,
+    ``reproduced_in_run`` (the engine's own verdict, None if the file does
+    not say), and ``event`` (the matching row of the run's events table, as
+    "crash missing_chunk (group 1, chunk 14)") when ``events`` is given.
+    """
+    folder = Path(run_folder) / "reproducers"
+    if not folder.is_dir():
+        return []
+    out = []
+    for f in sorted(folder.glob("*.toml")):
+        entry: dict[str, Any] = {"file": f"reproducers/{f.name}", "kind": None, "detail": None,
+                                 "req_id": None, "t_s": None, "reproduced_in_run": None, "event": None}
+        try:
+            lines = f.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            if not line.startswith("#"):
+                break
+            m = _HEAD.match(line)
+            if m:
+                entry.update(kind=m["kind"], detail=m["detail"], req_id=m["req"], t_s=float(m["t"]))
+            m = _ISOLATION.match(line)
+            if m:
+                entry["reproduced_in_run"] = m["yes"] == "yes"
+        if entry["req_id"] is None:  # NNN-<request>-<detail>.toml
+            parts = f.stem.split("-", 1)
+            if len(parts) == 2 and "-" in parts[1]:
+                req, _, detail = parts[1].rpartition("-")
+                entry.update(req_id=req, detail=detail)
+        if events is not None and entry["req_id"] is not None and len(events):
+            match = events[(events["req_id"] == entry["req_id"]) & (events["detail"] == entry["detail"])]
+            if len(match):
+                ev = match.iloc[0]
+                where = []
+                if int(ev["group"]) >= 0:
+                    where.append(f"group {int(ev['group'])}")
+                if int(ev["chunk"]) >= 0:
+                    where.append(f"chunk {int(ev['chunk'])}")
+                entry["event"] = f"{ev['kind']} {ev['detail']}" + (f" ({', '.join(where)})" if where else "")
+                entry["kind"] = entry["kind"] or str(ev["kind"])
+                if entry["t_s"] is None:
+                    entry["t_s"] = float(ev["t_s"])
+        out.append(entry)
+    return out
+
+
+def verify_reproducer(path: Path, logic: str, kind: str | None, detail: str | None) -> dict[str, Any]:
+    """Replay one reproducer with :mod:`sim.io.check`.
+
+    Returns ``holds`` (every expectation in the file holds), ``reproduces``
+    (``logic`` in isolation gives the recorded crash, or the recorded hazard
+    among its hazards), ``outcome`` (one line per logic) and ``error`` (the
+    file could not be read or parsed; then the other two are False).
+    """
+    from sim.io.check import evaluate, load_check_file, parse_check, summarize
+
+    try:
+        _, items = load_check_file(Path(path))
+        sc = parse_check(items[0], str(path))
+        outcomes, mismatches = evaluate(sc, str(path))
+    except InputError as exc:
+        return {"holds": False, "reproduces": False, "outcome": {}, "error": str(exc)}
+    mine = outcomes.get(logic)
+    reproduces = False
+    if mine is not None and detail is not None:
+        if kind == "hazard":
+            kinds = {h[0] if isinstance(h, list | tuple) else h["kind"] for h in mine["hazards"]}
+            reproduces = detail in kinds
+        else:
+            reproduces = mine["crash"] is not None and mine["crash"]["kind"] == detail
+    return {"holds": not mismatches, "reproduces": reproduces,
+            "outcome": {lg: summarize(o) for lg, o in outcomes.items()},
+            "mismatches": {lg: list(d) for lg, d in mismatches.items()}, "error": None}
+
+
+# -- writing the compare ------------------------------------------------------------------
+
+
+def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any],
+                   verify: bool) -> CompareResult:
+    from sim.io.results import load_results, write_json_atomic
+
+    runs = {lg: load_results(folder / lg) for lg in LOGICS}
+    logics: dict[str, Any] = {}
+    reproducers: dict[str, list[dict[str, Any]]] = {}
+    for lg in LOGICS:
+        res = runs[lg]
+        logics[lg] = logic_figures(res.summary)
+        reps = list_reproducers(res.path, res.events)
+        if verify:
+            for r in reps:
+                r["verified"] = verify_reproducer(res.path / r["file"], lg, r["kind"], r["detail"])
+        reproducers[lg] = reps
+    diverged = diverged_requests(runs["old"].requests, runs["new"].requests)
+    total = len(set(runs["old"].requests["req_id"]) | set(runs["new"].requests["req_id"]))
+    status = "ok" if all(f["status"] == "ok" for f in logics.values()) else "failed"
+    figures: dict[str, Any] = {
+        "schema": "compare/1",
+        "status": status,
+        "scenario": scenario,
+        "runs": logics,
+        "diverged": _diverged_figures(diverged, total),
+        "reproducers": reproducers,
+        "verified_reproducers": verify,
+        "timing": timing,
+    }
+    _write_diverged(folder / "diverged.parquet", diverged)
+    from sim.io.results import _clean_floats
+
+    write_json_atomic(folder / "compare.json", _clean_floats(figures))
+    from sim.tools.plots import old_vs_new, save_figure
+
+    save_figure(old_vs_new(folder, runs=runs, figures=figures), folder / "compare.png")
+    text = markdown_report(_clean_floats(figures))
+    tmp = folder / ".compare.md.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, folder / "compare.md")
+    return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS},
+                         figures=_clean_floats(figures), diverged=diverged, status=status)
+
+
+def load_compare(path: str | Path) -> CompareResult:
+    """Read a compare folder written by :func:`compare_runs` (``kvsim compare``).
+
+    Raises:
+        InputError: ``path`` is not a compare folder (no ``compare.json``).
+    """
+    import pyarrow.parquet as pq
+
+    folder = Path(path)
+    f = folder / "compare.json"
+    if not f.is_file():
+        raise InputError(str(folder), "", "not a compare folder (no compare.json)",
+                         "a folder written by kvsim compare")
+    figures = json.loads(f.read_text(encoding="utf-8"))
+    d = folder / "diverged.parquet"
+    table = pq.read_table(d) if d.is_file() else _diverged_schema().empty_table()
+    diverged = table.to_pandas()
+    return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS}, figures=figures,
+                         diverged=diverged, status=str(figures.get("status", "ok")))
+
+
+# -- text ------------------------------------------------------------------------------
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{1000 * v:.1f} ms"
+
+
+def _kinds(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(label, OLD, NEW) rows of the side-by-side table."""
+    from sim.io.scenario import human_bytes
+
+    runs = figures["runs"]
+    copy_path = bool(figures.get("scenario", {}).get("copy_path"))
+
+    def cell(f: dict[str, Any], what: str) -> str:
+        if f["status"] != "ok":
+            return "FAILED" if what == "status" else "-"
+        if what == "status":
+            return "ok" if f["end"] == "ok" else f"ok ({f['end']})"
+        if what == "requests":
+            r = f["requests"]
+            return f"{r['finished']} / {r['arrived']}" + (f" ({r['rejected']} rejected)" if r.get("rejected")
+                                                          else "")
+        if what == "crashes":
+            c = f["crashes"]
+            if not c["count"]:
+                return "0"
+            first = "" if c.get("first_s") is None else f"; first at {c['first_s']:.3f} s"
+            return f"{c['count']} ({_kinds(c['kinds'])}{first})"
+        if what == "hazards":
+            h = f["hazards"]
+            return str(h["count"]) + (f" ({_kinds(h['kinds'])})" if h["count"] else "")
+        if what == "integrity":
+            return str(f["integrity_violations"]) if copy_path else "- (copy path off)"
+        if what == "deferrals":
+            d = f["deferrals"]
+            return str(d["count"]) + (f" ({_kinds(d['reasons'])})" if d["reasons"] else "")
+        t = f["tokens"]
+        if what == "external":
+            return f"{t['external_hit']:,} (hit {t['cpu_hit']:,} + reload {t['cpu_reload']:,})"
+        if what == "recomputed":
+            return f"{t['recomputed']:,}"
+        if what == "computed":
+            return f"{t['computed']:,}"
+        if what == "bytes":
+            return f"{human_bytes(f['bytes']['h2d'])} / {human_bytes(f['bytes']['d2h'])}"
+        if what == "ttft":
+            return " / ".join(_ms(f["ttft_s"].get(f"p{q}")) for q in (50, 90, 99))
+        if what == "tpot":
+            return f"{_ms(f['tpot_s'].get('mean'))} / {_ms(f['tpot_s'].get('p50'))}"
+        thr = f["throughput"]
+        rps, tps = thr.get("requests_per_s"), thr.get("output_tokens_per_s")
+        return f"{'-' if rps is None else f'{rps:.2f}'} req/s, {'-' if tps is None else f'{tps:.1f}'} tok/s"
+
+    labels = [("status", "status"), ("requests finished / arrived", "requests"), ("crashes", "crashes"),
+              ("hazards", "hazards"), ("integrity violations", "integrity"), ("deferrals", "deferrals"),
+              ("external-hit tokens", "external"), ("recomputed tokens", "recomputed"),
+              ("computed tokens", "computed"), ("bytes H2D / D2H", "bytes"),
+              ("TTFT p50 / p90 / p99", "ttft"), ("TPOT mean / p50", "tpot"), ("throughput", "throughput")]
+    rows = [(label, cell(runs["old"], what), cell(runs["new"], what)) for label, what in labels]
+    reps = figures.get("reproducers", {})
+    rows.append(("reproducers", _rep_cell(reps.get("old", [])), _rep_cell(reps.get("new", []))))
+    return rows
+
+
+def _rep_cell(reps: list[dict[str, Any]]) -> str:
+    if not reps:
+        return "0"
+    verified = [r["verified"] for r in reps if "verified" in r]
+    if verified:
+        return f"{len(reps)} ({sum(v['reproduces'] for v in verified)} verified to reproduce)"
+    return str(len(reps))
+
+
+def format_table(figures: dict[str, Any], folder: Path | str | None = None) -> str:
+    """The side-by-side table ``kvsim compare`` prints, with the first diverging requests."""
+    rows = [("", "OLD (vLLM 0.29.0)", "NEW (vLLM 0.30.0)"), *_rows(figures)]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
+    d = figures["diverged"]
+    split = ""
+    if d["count"] and "outcome" in d:
+        split = f" ({d['outcome']} in outcome, {d['timing_only']} in timing only)"
+    lines.append(f"{'diverging requests':<{w0}}  {d['count']} of {d['requests']}{split}")
+    for item in d["first"][:_SHOWN]:
+        lines.append(f"{'':<{w0}}  {item['req_id']}: {item['how']}")
+    if d["count"] > _SHOWN:
+        lines.append(f"{'':<{w0}}  ... {d['count'] - _SHOWN} more in diverged.parquet")
+    if folder is not None:
+        lines.append(f"{'results':<{w0}}  {folder}")
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_report(figures: dict[str, Any]) -> str:
+    """``compare.md``: what was run, the side-by-side figures, the diverging
+    requests, the reproducers, the figure, and (last) the wall-clock timings."""
+    sc = figures["scenario"]
+    over = ", ".join(f"`{o}`" for o in sc.get("overrides", [])) or "none"
+    out = [f"# kvsim compare: {sc['name']}", "",
+           f"Scenario `{sc['source']}` (seed {sc['seed']}; overrides: {over}), run twice with the same "
+           f"requests: `window_logic = \"old\"` (vLLM 0.29.0) in `old/` and `\"new\"` (vLLM 0.30.0) in "
+           f"`new/`.", "", f"{sc.get('describe', '')}", ""]
+    if figures["status"] != "ok":
+        for lg in LOGICS:
+            f = figures["runs"][lg]
+            if f["status"] != "ok":
+                out += [f"**The {lg.upper()} run failed**: {_md(str(f.get('error')))} "
+                        f"(see `{lg}/summary.json`).", ""]
+    out += ["## Figures", "", "| | OLD | NEW |", "| --- | --- | --- |"]
+    out += [f"| {_md(a)} | {_md(b)} | {_md(c)} |" for a, b, c in _rows(figures)]
+    d = figures["diverged"]
+    out += ["", "## Diverging requests", "",
+            f"{d['count']} of {d['requests']} requests have a different outcome "
+            f"(status, crash, CPU hit or reload, computed tokens, deferrals, first token or finish "
+            f"time); all of them in `diverged.parquet`."]
+    if d["count"] and "outcome" in d:
+        out += ["", f"{d['outcome']} differ in outcome (crash, status, CPU hit or reload, deferrals, "
+                    f"computed tokens) and {d['timing_only']} in timing only (a knock-on effect of the "
+                    f"others on the shared engine); the table lists outcome differences first."]
+    if d["first"]:
+        shown = "" if d["count"] <= len(d["first"]) else \
+            f" (the first {len(d['first'])}: outcome differences first, each part by arrival)"
+        out += ["", f"| request | how{shown} |", "| --- | --- |"]
+        out += [f"| {_md(x['req_id'])} | {_md(x['how'])} |" for x in d["first"]]
+    out += ["", "## Reproducers", ""]
+    reps = figures.get("reproducers", {})
+    if not any(reps.get(lg) for lg in LOGICS):
+        out.append("No run wrote a reproducer (no modelled crash or hazard).")
+    for lg in LOGICS:
+        items = reps.get(lg, [])
+        if not items:
+            continue
+        verified = any("verified" in r for r in items)
+        head = "| file | request | event | t (s) | reproduced in the run |"
+        sep = "| --- | --- | --- | --- | --- |"
+        if verified:
+            head += " expectations hold | reproduces (`kvsim check`) |"
+            sep += " --- | --- |"
+        out += [f"### {lg.upper()}", "", head, sep]
+        for r in items:
+            t = "-" if r.get("t_s") is None else f"{r['t_s']:.6f}"
+            yes = {True: "yes", False: "no", None: "-"}
+            event = r.get("event") or " ".join(str(x) for x in (r.get("kind"), r.get("detail")) if x)
+            row = (f"| `{lg}/{r['file']}` | {_md(str(r.get('req_id')))} | {_md(event)} | {t} | "
+                   f"{yes[r.get('reproduced_in_run')]} |")
+            if verified:
+                v = r.get("verified") or {}
+                if v.get("error"):
+                    row += f" error: {_md(v['error'])} | no |"
+                else:
+                    row += f" {yes[v.get('holds')]} | {yes[v.get('reproduces')]} |"
+            out.append(row)
+        out.append("")
+    out += ["", "![OLD vs NEW: modelled failures, tokens loaded from the CPU cache, TTFT](compare.png)", ""]
+    tm = figures.get("timing", {})
+    if tm:
+        out += ["## Timing", "",
+                "Wall clock (the only part of this report that differs between two compares of the same "
+                "scenario and seed): "
+                + ", ".join(f"{lg.upper()} {tm.get(f'{lg}_wall_clock_s', 0):.2f} s" for lg in LOGICS)
+                + f", both {tm.get('wall_clock_s', 0):.2f} s with {tm.get('jobs')} "
+                + ("process" if tm.get("jobs") == 1 else "processes") + ".", ""]
+    return "\n".join(out).rstrip() + "\n"

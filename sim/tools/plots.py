@@ -1,0 +1,1099 @@
+"""Figures of runs, compares and sweeps (``kvsim plot``, ``kvsim run --plots``).
+
+What it draws
+    One run (``kvsim run``): :func:`occupancy` (CPU chunks by state over
+    time), :func:`link_utilisation` (H2D / D2H busy share per time bin) and
+    :func:`ttft_cdf` (TTFT CDF of one or more runs). A compare
+    (``kvsim compare``): :func:`old_vs_new`, OLD left and NEW right on shared
+    axes (modelled crashes / hazards / integrity violations, tokens loaded
+    from the CPU cache, TTFT CDF); ``compare.png`` is this figure. A sweep
+    (``kvsim sweep``): :func:`hit_rate_vs_cpu` (CPU hit rate and recompute
+    saved against CPU cache size, one line per policy and per other varying
+    parameter, the :func:`knee` of each line marked) and :func:`ttft_cdfs`
+    (TTFT CDF of every point). :func:`write_plots` tells the three folder
+    kinds apart by the file that marks them (``sweep.parquet``,
+    ``compare.json``, ``summary.json``) and writes every figure of the kind
+    as PNG into ``<folder>/plots/``. ``docs/plots.md`` describes each figure.
+
+Design
+    * matplotlib is imported inside the functions, never at import time, and
+      pyplot is not used at all: every figure is a plain
+      ``matplotlib.figure.Figure`` with an Agg canvas, so no global backend
+      or figure registry is touched (a notebook keeps its own backend and
+      shows the returned figure).
+    * One style for every figure: :data:`STYLE` (rcParams, applied around
+      each figure function), :data:`DPI`, constrained layout, and a fixed
+      colour per policy, logic, link, chunk state and event kind.
+    * Every axis label carries its unit in parentheses; titles say what was
+      run (scenario, model, hardware, workload, logic); legends name what
+      differs between the lines. :func:`layout_problems` checks a rendered
+      figure for overlapping or clipped text and labels without units (the
+      tests run it on every figure).
+
+Invariants
+    * ``import sim.tools.plots`` imports neither matplotlib nor pandas;
+    * a figure function never writes files; :func:`save_figure` writes a PNG
+      atomically (temporary file, then rename) with no timestamp metadata,
+      so the same data give the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+
+from sim.errors import InputError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from sim.io.results import RunResults
+
+__all__ = [
+    "DPI",
+    "EVENT_COLOURS",
+    "LINK_COLOURS",
+    "LOGIC_COLOURS",
+    "POLICY_COLOURS",
+    "STATE_COLOURS",
+    "STYLE",
+    "add_plot_parser",
+    "cmd_plot",
+    "folder_kind",
+    "hit_rate_vs_cpu",
+    "knee",
+    "layout_problems",
+    "link_utilisation",
+    "occupancy",
+    "old_vs_new",
+    "run_title",
+    "save_figure",
+    "ttft_cdf",
+    "ttft_cdfs",
+    "write_plots",
+]
+
+#: resolution of every figure and PNG (dots per inch)
+DPI = 110
+
+#: rcParams applied around every figure function (one style for all figures)
+STYLE: dict[str, Any] = {
+    "font.family": "DejaVu Sans",
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "legend.fontsize": 8,
+    "legend.title_fontsize": 8,
+    "figure.titlesize": 11,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linewidth": 0.6,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "lines.linewidth": 1.6,
+    "legend.framealpha": 0.9,
+    "figure.dpi": DPI,
+    "savefig.dpi": DPI,
+}
+
+#: colour of each eviction policy (sweeps)
+POLICY_COLOURS: dict[str, str] = {"lru": "#1f77b4", "arc": "#ff7f0e"}
+#: colour of each window logic (compare)
+LOGIC_COLOURS: dict[str, str] = {"old": "#d62728", "new": "#2ca02c"}
+#: colour of each link direction
+LINK_COLOURS: dict[str, str] = {"h2d": "#9467bd", "d2h": "#8c564b"}
+#: colour of each CPU chunk state (occupancy)
+STATE_COLOURS: dict[str, str] = {"present": "#6baed6", "loading": "#08519c", "pending": "#fd8d3c",
+                                 "free": "#e5e5e5"}
+#: colour of each modelled event kind (compare)
+EVENT_COLOURS: dict[str, str] = {"crash": "#d62728", "hazard": "#ff7f0e", "integrity": "#9467bd"}
+
+#: other lines (series without a fixed colour)
+_CYCLE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+          "#bcbd22", "#17becf")
+_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+_LOGIC_NAMES = {"old": "OLD (vLLM 0.29.0)", "new": "NEW (vLLM 0.30.0)"}
+_GIB = float(1 << 30)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _styled(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run a figure function inside :data:`STYLE` (rcParams are read when artists are made)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import matplotlib
+
+        with matplotlib.rc_context(cast(Any, STYLE)):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _figure(width: float, height: float) -> Figure:
+    """A new constrained-layout figure on an Agg canvas (no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` as PNG to ``path`` atomically (no timestamp metadata).
+
+    Returns:
+        the path written.
+    """
+    import matplotlib
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with matplotlib.rc_context(cast(Any, STYLE)):
+            fig.savefig(tmp, format="png", dpi=DPI, metadata={"Software": None})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# -- titles and labels --------------------------------------------------------------------
+
+
+def run_title(scenario: dict[str, Any], logic: str | None = None) -> str:
+    """``"default: hybrid-demo on h200, multiturn, NEW logic (seed 0)"`` from a resolved scenario.
+
+    Args:
+        scenario: a run's ``scenario.toml`` as a dict.
+        logic: replaces the scenario's window logic in the text ("OLD vs NEW" for a compare).
+    """
+    name = scenario.get("name", "run")
+    model = (scenario.get("model") or {}).get("label") or (scenario.get("model") or {}).get("name") or "?"
+    hw = (scenario.get("hardware") or {}).get("profile") or "?"
+    wl = (scenario.get("workload") or {}).get("kind") or "?"
+    lg = logic if logic is not None else f"{str(scenario.get('window_logic', '?')).upper()} logic"
+    seed = scenario.get("seed")
+    tail = f" (seed {seed})" if seed is not None else ""
+    return f"{name}: {model} on {hw}, {wl}, {lg}{tail}"
+
+
+def _gib(nbytes: float) -> str:
+    v = nbytes / _GIB
+    return f"{v:g} GiB" if abs(v - round(v)) < 1e-9 or v >= 100 else f"{v:.3g} GiB"
+
+
+def _gbps(nbytes_per_s: float) -> str:
+    return f"{nbytes_per_s / 1e9:g} GB/s"
+
+
+def _nice_step(span: float, target: int) -> float:
+    """A 1/2/5 x 10^k step giving about ``target`` steps over ``span``."""
+    if span <= 0:
+        return 1.0
+    raw = span / target
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * mag:
+            return float(m * mag)
+    return float(10 * mag)  # pragma: no cover
+
+
+def _ttft_s(requests: Any) -> Any:
+    """Sorted TTFT samples (s) of the requests that got a first token."""
+    import numpy as np
+
+    if len(requests) == 0:
+        return np.empty(0)
+    ft = requests["first_token_s"].to_numpy(dtype=float, na_value=np.nan)
+    arr = requests["arrival_s"].to_numpy(dtype=float)
+    ok = ~np.isnan(ft)
+    return np.sort(ft[ok] - arr[ok])
+
+
+def _cdf_axes(ax: Any, samples: Sequence[Any]) -> None:
+    """x label, scale (log when the samples span more than 100x) and y range of a TTFT CDF."""
+    import numpy as np
+
+    pos = np.concatenate([s[s > 0] for s in samples]) if samples else np.empty(0)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("requests with TTFT ≤ x (fraction)")
+    ax.set_ylim(0, 1.02)
+    if len(pos) and pos.max() / pos.min() > 100:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        ax.set_xlabel("time to first token (s, log scale)")
+    else:
+        ax.set_xlim(left=0)
+
+
+def _draw_cdf(ax: Any, xs: Any, **kw: Any) -> None:
+    import numpy as np
+
+    if len(xs) == 0:
+        return
+    ys = np.arange(1, len(xs) + 1) / len(xs)
+    ax.step(np.concatenate([[xs[0]], xs]), np.concatenate([[0.0], ys]), where="post", **kw)
+
+
+def _note(ax: Any, text: str) -> None:
+    """A centred note in an empty panel."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555")
+
+
+# -- one run ------------------------------------------------------------------------------
+
+
+def _load_run(run: RunResults | str | Path) -> RunResults:
+    from sim.io.results import RunResults, load_results
+
+    return run if isinstance(run, RunResults) else load_results(run)
+
+
+def _capacity_text(run: RunResults, chunks: int) -> str:
+    cc = run.scenario.get("cpu_cache") or {}
+    size = f" = {_gib(cc['capacity'])}" if isinstance(cc.get("capacity"), int) else ""
+    policy = str(cc.get("policy", "?")).upper()
+    return f"capacity {chunks:,} chunks{size}, {policy}"
+
+
+@_styled
+def occupancy(run: RunResults | str | Path) -> Figure:
+    """CPU chunk cache by state over simulated time.
+
+    Top: stacked share of the capacity (present and idle, present and being
+    read by a load, pending store, free), in % of capacity. Bottom: the chunks
+    in flight (pending store, being loaded) in chunks, on their own scale,
+    since they are a small part of the capacity.
+
+    Args:
+        run: a :class:`~sim.io.results.RunResults` or a run folder.
+    """
+    import numpy as np
+
+    res = _load_run(run)
+    occ = res.occupancy
+    fig = _figure(9.0, 5.6)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.7])
+    t = occ["t_s"].to_numpy(dtype=float)
+    loading = occ["cpu_loading"].to_numpy(dtype=float)
+    pending = occ["cpu_pending_store"].to_numpy(dtype=float)
+    # cpu_present counts every readable chunk, those being loaded included
+    present = occ["cpu_present"].to_numpy(dtype=float) - loading
+    free = occ["cpu_free"].to_numpy(dtype=float)
+    cap = present + loading + pending + free
+    chunks = int(cap.max()) if len(cap) else 0
+    if len(t) and chunks > 0:
+        share = [100.0 * a / np.where(cap > 0, cap, 1) for a in (present, loading, pending, free)]
+        labels = ["present, idle", "present, being loaded (H2D)", "pending store (D2H in flight)", "free"]
+        colours = [STATE_COLOURS[k] for k in ("present", "loading", "pending", "free")]
+        top.stackplot(t, *share, labels=labels, colors=colours, linewidth=0)
+        top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="chunk state")
+        for values, state, name in ((pending, "pending", "pending store"),
+                                    (loading, "loading", "being loaded")):
+            bottom.plot(t, values, color=STATE_COLOURS[state], label=f"{name} (max {int(values.max()):,})")
+        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="in flight")
+        bottom.set_ylim(bottom=0)
+        top.set_xlim(0, t.max())
+        title = f"CPU chunk cache by state ({_capacity_text(res, chunks)})"
+    else:
+        _note(top, "no CPU cache occupancy samples (offloading off or empty run)")
+        _note(bottom, "no samples")
+        title = "CPU chunk cache by state"
+    top.set_ylim(0, 100)
+    top.set_ylabel("CPU chunks (% of capacity)")
+    top.set_xlabel("simulated time (s)")
+    top.tick_params(labelbottom=True)
+    top.set_title(title)
+    bottom.set_ylabel("chunks in flight (count)")
+    bottom.set_xlabel("simulated time (s)")
+    fig.suptitle(run_title(res.scenario))
+    return fig
+
+
+def _busy_per_bin(start: Any, end: Any, edges: Any) -> Any:
+    """Busy seconds of a link in each bin ``[edges[i], edges[i+1])``, from job intervals.
+
+    ``busy(t) = sum over jobs of clip(t - start, 0, end - start)`` evaluated at
+    the edges with sorted cumulative sums; a bin's busy time is the difference.
+    """
+    import numpy as np
+
+    s = np.sort(np.asarray(start, dtype=float))
+    e = np.sort(np.asarray(end, dtype=float))
+    cs = np.concatenate([[0.0], np.cumsum(s)])
+    ce = np.concatenate([[0.0], np.cumsum(e)])
+    ks = np.searchsorted(s, edges, side="right")
+    ke = np.searchsorted(e, edges, side="right")
+    cum = (ks * edges - cs[ks]) - (ke * edges - ce[ke])
+    return np.diff(cum)
+
+
+@_styled
+def link_utilisation(run: RunResults | str | Path, bins: int = 120) -> Figure:
+    """H2D (loads) and D2H (stores) busy share per time bin, in %.
+
+    A bin's value is the time the link spent on jobs inside the bin divided
+    by the bin width (``transfers.start_s``..``end_s``; jobs queue behind each
+    other, so a link is busy with at most one job at a time).
+
+    Args:
+        run: a :class:`~sim.io.results.RunResults` or a run folder.
+        bins: about this many bins over the simulated time (the width is
+            rounded to 1, 2 or 5 x 10^k s).
+    """
+    import numpy as np
+
+    res = _load_run(run)
+    tr = res.transfers
+    end_t = float(res.summary.get("sim_time_s") or 0.0)
+    if len(tr):
+        end_t = max(end_t, float(tr["end_s"].max()))
+    width = _nice_step(end_t, bins)
+    edges = np.arange(0.0, end_t + width, width) if end_t > 0 else np.array([0.0, 1.0])
+    if len(edges) < 2:
+        edges = np.array([0.0, width])
+    hw = res.scenario.get("hardware") or {}
+    fig = _figure(9.0, 4.0)
+    ax = fig.subplots()
+    names = {"h2d": "H2D loads", "d2h": "D2H stores"}
+    for d in ("h2d", "d2h"):
+        jobs = tr[tr["direction"] == d] if len(tr) else tr
+        busy = _busy_per_bin(jobs["start_s"], jobs["end_s"], edges) if len(jobs) else np.zeros(len(edges) - 1)
+        pct = 100.0 * busy / width
+        bw = hw.get(f"{d}_bandwidth")
+        total = 100.0 * float(busy.sum()) / end_t if end_t > 0 else 0.0
+        label = (f"{names[d]}{', ' + _gbps(bw) if bw else ''}: {len(jobs):,} jobs, "
+                 f"{total:.2f}% busy over the run")
+        ax.stairs(pct, edges, color=LINK_COLOURS[d], label=label, linewidth=1.2)
+    ax.set_xlim(0, edges[-1])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel(f"link busy (% of each {width:g} s bin)")
+    ax.legend(loc="upper right")
+    ax.set_title(f"GPU↔CPU link utilisation per {width:g} s bin")
+    fig.suptitle(run_title(res.scenario))
+    return fig
+
+
+@_styled
+def ttft_cdf(runs: Sequence[RunResults | str | Path] | RunResults | str | Path,
+             labels: Sequence[str] | None = None, title: str | None = None) -> Figure:
+    """TTFT CDF of one or more runs (requests that got a first token).
+
+    Args:
+        runs: runs or run folders (or a single one).
+        labels: one legend entry per run (default: the window logic of a single
+            run, else each run's folder name).
+        title: the figure title (default: the first run's :func:`run_title`,
+            or "TTFT of N runs").
+    """
+    from sim.io.results import RunResults
+
+    items = [runs] if isinstance(runs, (RunResults, str, Path)) else list(runs)
+    loaded = [_load_run(r) for r in items]
+    if labels is not None and len(labels) != len(loaded):
+        raise ValueError(f"{len(labels)} labels for {len(loaded)} runs")
+    if labels is None:
+        labels = ([f"{str(loaded[0].scenario.get('window_logic', '?')).upper()} logic"] if len(loaded) == 1
+                  else [r.path.name for r in loaded])
+    fig = _figure(7.5, 4.4)
+    ax = fig.subplots()
+    samples = [_ttft_s(r.requests) for r in loaded]
+    for i, (xs, label) in enumerate(zip(samples, labels, strict=True)):
+        med = f", median {xs[len(xs) // 2]:.3g} s" if len(xs) else ""
+        _draw_cdf(ax, xs, color=_CYCLE[i % len(_CYCLE)], linestyle=_STYLES[(i // len(_CYCLE)) % 4],
+                  label=f"{label}: {len(xs):,} requests{med}")
+    _cdf_axes(ax, samples)
+    if ax.lines:
+        ax.legend(loc="lower right")
+    else:
+        _note(ax, "no request got a first token")
+    ax.set_title("TTFT distribution")
+    if title is None:
+        title = run_title(loaded[0].scenario) if len(loaded) == 1 else f"TTFT of {len(loaded)} runs"
+    fig.suptitle(title)
+    return fig
+
+
+# -- compare ------------------------------------------------------------------------------
+
+
+@_styled
+def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None,
+               figures: dict[str, Any] | None = None) -> Figure:
+    """OLD (left) against NEW (right) on shared axes: the figure ``compare.png``.
+
+    Rows: modelled crashes, hazards and integrity violations over time
+    (cumulative count); tokens loaded from the CPU cache over time (cumulative,
+    CPU hits at first admission and reloads after preemption); TTFT CDF (the
+    other logic drawn thin and grey for reference).
+
+    Args:
+        compare: a compare folder (``kvsim compare``).
+        runs: the two runs already read (``{"old": ..., "new": ...}``); read
+            from ``compare/old`` and ``compare/new`` when omitted.
+        figures: ``compare.json`` already read; read from the folder when omitted.
+    """
+    import json
+
+    import numpy as np
+
+    from sim.io.results import load_results
+
+    folder = Path(compare)
+    if figures is None:
+        figures = json.loads((folder / "compare.json").read_text(encoding="utf-8"))
+    if runs is None:
+        runs = {lg: load_results(folder / lg) for lg in ("old", "new")}
+    sc = figures.get("scenario", {})
+    copy_path = bool(sc.get("copy_path"))
+    fig = _figure(11.0, 8.6)
+    axes = fig.subplots(3, 2, sharex="row", sharey="row")
+    ttft = {lg: _ttft_s(runs[lg].requests) for lg in ("old", "new")}
+    end_t = max(float(runs[lg].summary.get("sim_time_s") or 0.0) for lg in ("old", "new")) or 1.0
+    kinds = (("crash", "crashes"), ("hazard", "hazards"), ("integrity", "integrity violations"))
+    top_count = 1
+    for col, lg in enumerate(("old", "new")):
+        res = runs[lg]
+        ax = axes[0][col]
+        ev = res.events
+        for kind, name in kinds:
+            t = np.sort(ev.loc[ev["kind"] == kind, "t_s"].to_numpy(dtype=float)) if len(ev) else np.empty(0)
+            n = len(t)
+            top_count = max(top_count, n)
+            xs = np.concatenate([[0.0], t, [end_t]])
+            ys = np.concatenate([[0], np.arange(1, n + 1), [n]])
+            count = "n/a, copy path off" if kind == "integrity" and not copy_path else f"{n:,}"
+            ax.step(xs, ys, where="post", color=EVENT_COLOURS[kind], label=f"{name}: {count}",
+                    linestyle="-" if n else ":")
+        if not len(ev) or not ev["kind"].isin([k for k, _ in kinds]).any():
+            _note(ax, "none in this run")
+        ax.set_title(f"{_LOGIC_NAMES[lg]}: modelled failures")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("events so far (count)")
+        ax.legend(loc="upper left")
+
+        ax = axes[1][col]
+        req = res.requests
+        for what, tcol, colour, name in (("cpu_hit_tokens", "scheduled_s", LOGIC_COLOURS[lg],
+                                          "CPU hits at first admission"),
+                                         ("cpu_reload_tokens", "finish_s", "#7f7f7f",
+                                          "reloads after preemption (at finish)")):
+            if len(req):
+                sel = req[req[what] > 0]
+                ts = sel[tcol].to_numpy(dtype=float, na_value=np.nan)
+                vals = sel[what].to_numpy(dtype=float)
+                keep = ~np.isnan(ts)
+                order = np.argsort(ts[keep], kind="stable")
+                ts, vals = ts[keep][order], vals[keep][order]
+            else:
+                ts, vals = np.empty(0), np.empty(0)
+            cum = np.cumsum(vals) / 1e6
+            total = float(vals.sum())
+            ax.step(np.concatenate([[0.0], ts, [end_t]]), np.concatenate([[0.0], cum, [total / 1e6]]),
+                    where="post", color=colour, label=f"{name}: {int(total):,} tokens")
+        if not len(req) or int(req["cpu_hit_tokens"].sum() + req["cpu_reload_tokens"].sum()) == 0:
+            _note(ax, "none in this run")
+        ax.set_title(f"{_LOGIC_NAMES[lg]}: tokens loaded from the CPU cache")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("tokens so far (millions)")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left")
+
+        ax = axes[2][col]
+        other = "new" if lg == "old" else "old"
+        _draw_cdf(ax, ttft[other], color="#b0b0b0", linewidth=1.0, linestyle="--",
+                  label=f"{other.upper()} (for reference)")
+        xs = ttft[lg]
+        med = f", median {xs[len(xs) // 2]:.3g} s" if len(xs) else ""
+        _draw_cdf(ax, xs, color=LOGIC_COLOURS[lg], label=f"{lg.upper()}: {len(xs):,} requests{med}")
+        _cdf_axes(ax, list(ttft.values()))
+        ax.set_title(f"{_LOGIC_NAMES[lg]}: TTFT distribution")
+        ax.legend(loc="lower right")
+    for col in range(2):
+        axes[0][col].set_ylim(0, top_count * 1.15)
+        axes[0][col].yaxis.set_major_locator(_int_locator())
+        for row in range(3):
+            axes[row][col].tick_params(labelleft=True)
+    div = figures.get("diverged", {})
+    base = runs["new"].scenario or runs["old"].scenario
+    head = run_title(base, logic="OLD vs NEW logic")
+    if "outcome" in div:
+        differ = f"{div['outcome']} with a different outcome, {div['timing_only']} in timing only"
+    else:  # a compare.json written before the split
+        differ = f"{div.get('count', '?')} diverging"
+    fig.suptitle(f"{head}\nsame {div.get('requests', '?')} requests, {differ}")
+    return fig
+
+
+def _int_locator() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True, nbins=5)
+
+
+# -- sweeps -------------------------------------------------------------------------------
+
+#: resolved per-point columns of sweep.parquet, with how a value reads in a legend
+_RESOLVED: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "cpu_cache_bytes": ("CPU cache", lambda v: _gib(float(v))),
+    "cpu_cache_policy": ("policy", lambda v: str(v).upper()),
+    "window_logic": ("logic", lambda v: f"{str(v).upper()} logic"),
+    "model": ("model", str),
+    "hardware": ("hardware", str),
+    "workload": ("workload", str),
+    "blocks_per_chunk": ("blocks/chunk", lambda v: f"{v} blocks/chunk"),
+    "h2d_bytes_per_s": ("H2D", lambda v: f"H2D {_gbps(float(v))}"),
+    "d2h_bytes_per_s": ("D2H", lambda v: f"D2H {_gbps(float(v))}"),
+    "seed": ("seed", lambda v: f"seed {v}"),
+}
+#: first segment of a swept dotted key (a scenario section) or a top-level scenario key
+_SECTIONS = frozenset({"model", "hardware", "cpu_cache", "scheduler", "workload", "costs", "copy_path",
+                       "output"})
+_TOP_KEYS = frozenset({"seed", "window_logic", "on_crash", "assertions"})
+#: swept keys that are the CPU cache size itself (the x axis of hit_rate_vs_cpu)
+_SIZE_KEYS = frozenset({"cpu_cache.capacity", "cpu_cache.chunks"})
+
+
+def _swept_columns(df: Any) -> list[str]:
+    return [c for c in df.columns if c not in _RESOLVED and (
+        c in _TOP_KEYS or ("." in c and c.split(".", 1)[0] in _SECTIONS))]
+
+
+def _key_name(col: str) -> str:
+    return _RESOLVED[col][0] if col in _RESOLVED else col
+
+
+def _key_value(col: str, value: Any) -> str:
+    return _RESOLVED[col][1](value) if col in _RESOLVED else f"{col.rsplit('.', 1)[-1]}={value}"
+
+
+def _varying(df: Any, exclude: Sequence[str] = ()) -> list[str]:
+    """The parameters that tell the rows of ``df`` apart: resolved columns with more
+    than one value, then swept-key columns that split the rows further."""
+    keys = [c for c in _RESOLVED if c in df.columns and c not in exclude
+            and df[c].astype(str).nunique() > 1]
+
+    def groups(cols: list[str]) -> int:
+        return len({tuple(str(df[c].iloc[i]) for c in cols) for i in range(len(df))}) if cols else 1
+
+    for c in _swept_columns(df):
+        if c in exclude or (c in _SIZE_KEYS and "cpu_cache_bytes" in exclude):
+            continue
+        if groups([*keys, c]) > groups(keys):
+            keys.append(c)
+    return keys
+
+
+def _read_sweep(sweep: Any) -> tuple[Any, Path | None, str]:
+    """(table, folder, name) from a sweep folder, a :func:`sim.load_sweep` result
+    or an already-read ``sweep.parquet`` DataFrame."""
+    import pandas as pd
+
+    from sim.tools.sweep import SweepResults, load_sweep
+
+    if isinstance(sweep, pd.DataFrame):
+        return sweep, None, "sweep"
+    res = sweep if isinstance(sweep, SweepResults) else load_sweep(sweep)
+    name = res.spec.get("name")
+    return res.table, res.path, name if isinstance(name, str) and name else res.path.resolve().name
+
+
+def _ok_points(df: Any) -> tuple[Any, list[str]]:
+    """(rows of finished points, names of the failed or metric-less points skipped)."""
+    import numpy as np
+
+    status = df["status"].astype(str) if "status" in df.columns else None
+    ok = (status == "ok") if status is not None else np.ones(len(df), dtype=bool)
+    if "cpu_hit_rate" in df.columns:
+        ok = ok & df["cpu_hit_rate"].notna()
+    bad = df[~ok]
+    names = [str(r) for r in (bad["run_id"] if "run_id" in bad.columns else bad.index)]
+    return df[ok].reset_index(drop=True), names
+
+
+def _sweep_title(df: Any, name: str, what: str, varying: Sequence[str], skipped: list[str]) -> str:
+    """``"<sweep>: <constant model, hardware, workload, logic>, N points"`` + what + skipped note."""
+    parts = []
+    for col in ("model", "hardware", "workload", "window_logic"):
+        if col in df.columns and col not in varying and len(df) and df[col].astype(str).nunique() == 1:
+            v = df[col].iloc[0]
+            parts.append(f"on {v}" if col == "hardware" else _key_value(col, v))
+    text = ", ".join(parts).replace(", on ", " on ")
+    head = f"{name}: {text}" if parts else name
+    lines = [f"{head} ({len(df)} points)", what]
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        lines.append(f"{len(skipped)} failed point{'s' if len(skipped) > 1 else ''} skipped: {shown}")
+    return "\n".join(lines)
+
+
+def knee(x: Sequence[float] | Any, y: Sequence[float] | Any, *, curve: str = "concave",
+         log_x: bool = False) -> float | None:
+    """The knee of a curve: the point farthest from its chord, on normalised axes (Kneedle).
+
+    The points are sorted by x; x (or log2 x with ``log_x``) and y are scaled
+    to [0, 1] by their minimum and maximum; the chord joins the first and the
+    last point. The knee is the point with the largest distance *above* the
+    chord for ``curve="concave"`` (a rising curve that flattens: diminishing
+    returns) or *below* it for ``"convex"`` (a falling curve that flattens).
+    This is the Kneedle method of Satopää et al. (2011) without smoothing;
+    for a rising concave curve the distance is ``y_n - x_n``, as there.
+
+    Args:
+        x: the x values (distinct).
+        y: the y values.
+        curve: "concave" or "convex".
+        log_x: measure x on a log2 scale (as a plot with a log x axis shows it).
+
+    Returns:
+        the x value of the knee, or None with fewer than 3 points, a flat
+        curve, or no point strictly on the knee's side of the chord.
+
+    Raises:
+        ValueError: x and y differ in length, ``curve`` is unknown, or
+            ``log_x`` with an x value <= 0.
+    """
+    import numpy as np
+
+    if curve not in ("concave", "convex"):
+        raise ValueError(f"curve must be 'concave' or 'convex', not {curve!r}")
+    xs = np.asarray(x, dtype=float)
+    ys = np.asarray(y, dtype=float)
+    if xs.shape != ys.shape or xs.ndim != 1:
+        raise ValueError(f"x and y must be 1-d and of equal length ({xs.shape} vs {ys.shape})")
+    keep = np.isfinite(xs) & np.isfinite(ys)
+    xs, ys = xs[keep], ys[keep]
+    if log_x and (xs <= 0).any():
+        raise ValueError("log_x needs x > 0")
+    order = np.argsort(xs, kind="stable")
+    xs, ys = xs[order], ys[order]
+    if len(xs) < 3:
+        return None
+    u = np.log2(xs) if log_x else xs
+    if u[-1] - u[0] <= 0 or ys.max() - ys.min() <= 0:
+        return None
+    xn = (u - u[0]) / (u[-1] - u[0])
+    yn = (ys - ys.min()) / (ys.max() - ys.min())
+    chord = yn[0] + (yn[-1] - yn[0]) * xn
+    gap = yn - chord if curve == "concave" else chord - yn
+    i = int(np.argmax(gap))
+    return float(xs[i]) if gap[i] > 1e-9 else None
+
+
+def _series(df: Any, keys: list[str]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(legend label, rows, line style) per combination of ``keys``, sorted by value.
+
+    Colour: the policy's when the policy is constant or one of the keys, else
+    one colour per combination; line style and marker: per combination of the
+    other keys.
+    """
+    combos: dict[tuple[str, ...], list[int]] = {}
+    for i in range(len(df)):
+        combos.setdefault(tuple(str(df[k].iloc[i]) for k in keys), []).append(i)
+
+    def sort_key(item: tuple[tuple[str, ...], list[int]]) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for k, v in zip(keys, item[0], strict=True):
+            raw = df[k].iloc[item[1][0]]
+            out.append((0, float(raw), "") if isinstance(raw, numbers.Real) else (1, 0.0, v))
+        return tuple(out)
+
+    items = sorted(combos.items(), key=sort_key)
+    by_policy = "cpu_cache_policy" in df.columns and (
+        "cpu_cache_policy" in keys or df["cpu_cache_policy"].astype(str).nunique() == 1)
+    rest = [k for k in keys if k != "cpu_cache_policy"] if by_policy else list(keys)
+    rest_index: dict[tuple[str, ...], int] = {}
+    out = []
+    for n, (_combo, rows) in enumerate(items):
+        first = rows[0]
+        label = ", ".join(_key_value(k, df[k].iloc[first]) for k in keys) or "all points"
+        r = tuple(str(df[k].iloc[first]) for k in rest)
+        j = rest_index.setdefault(r, len(rest_index))
+        if by_policy:
+            pol = str(df["cpu_cache_policy"].iloc[first]).lower()
+            style = {"color": POLICY_COLOURS.get(pol, _CYCLE[2]), "linestyle": _STYLES[j % 4],
+                     "marker": _MARKERS[j % len(_MARKERS)]}
+        else:
+            style = {"color": _CYCLE[n % len(_CYCLE)], "linestyle": _STYLES[(n // len(_CYCLE)) % 4],
+                     "marker": _MARKERS[n % len(_MARKERS)]}
+        out.append((label, df.iloc[rows], style))
+    return out
+
+
+def _size_axis(ax: Any, sizes: Any) -> bool:
+    """x axis in GiB, log2 when the sizes span 4x or more; ticks at (thinned) swept sizes."""
+    import numpy as np
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    u = np.unique(sizes)
+    log = len(u) > 1 and u.min() > 0 and u.max() / u.min() >= 4
+    if log:
+        ax.set_xscale("log", base=2)
+        step = max(1, math.ceil(len(u) / 8))
+        ticks = u[::step]
+        ax.xaxis.set_major_locator(FixedLocator([float(v) for v in ticks]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("CPU cache size (GiB, log scale)")
+    else:
+        ax.set_xlabel("CPU cache size (GiB)")
+    return bool(log)
+
+
+def _annotate_knees(ax: Any, knees: list[tuple[float, float, str, str]], log: bool, named: bool,
+                    sizes: Any) -> None:
+    """One "knee: N GiB" note per distinct knee point (lines sharing a knee share the note), staggered
+    downwards, on the side of the point with more room."""
+    import numpy as np
+
+    groups: list[list[tuple[float, float, str, str]]] = []
+    span = max((abs(k[1]) for k in knees), default=1.0) or 1.0
+    for item in knees:
+        for g in groups:
+            if g[0][0] == item[0] and abs(g[0][1] - item[1]) < 0.04 * span:
+                g.append(item)
+                break
+        else:
+            groups.append([item])
+    lo_x, hi_x = (np.log2(sizes.min()), np.log2(sizes.max())) if log else (sizes.min(), sizes.max())
+    for i, g in enumerate(groups):
+        k, ky = g[0][0], g[0][1]
+        frac = ((np.log2(k) if log else k) - lo_x) / (hi_x - lo_x) if hi_x > lo_x else 0.5
+        right = frac > 0.6
+        colour = g[0][2] if len(g) == 1 else "#333333"
+        text = f"knee: {_gib(k * _GIB)}" + (f" ({', '.join(x[3] for x in g)})" if named else "")
+        ax.annotate(text, xy=(k, ky), xytext=(-10 if right else 10, -16 - 14 * i), textcoords="offset points",
+                    ha="right" if right else "left", va="top", fontsize=8, color=colour,
+                    arrowprops={"arrowstyle": "-", "color": colour, "linewidth": 0.6})
+
+
+@_styled
+def hit_rate_vs_cpu(sweep: Any) -> Figure:
+    """CPU hit rate and recompute saved (%) against CPU cache size (GiB), per policy.
+
+    One line per eviction policy and per combination of the other parameters
+    that vary between points (model, workload, logic, any swept key; the
+    legend names them). Points that differ only by seed are averaged, with
+    their min..max as a band. The :func:`knee` of each line (concave, on the
+    x scale drawn) is marked with a ring and "knee: N GiB". Failed points are
+    skipped and named in the title.
+
+    Args:
+        sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame.
+    """
+    import numpy as np
+
+    table, _, sweep_name = _read_sweep(sweep)
+    df, skipped = _ok_points(table)
+    keys = _varying(df, exclude=("cpu_cache_bytes", "seed"))
+    seeds = "seed" in df.columns and df["seed"].astype(str).nunique() > 1
+    fig = _figure(10.5, 4.6)
+    axes = fig.subplots(1, 2, sharex=True)
+    panels = (("cpu_hit_rate", "CPU hit rate (% of prompt tokens)", "CPU hit rate"),
+              ("recompute_saved", "recompute saved (% of prefill work)", "recompute saved"))
+    series = _series(df, keys) if len(df) else []
+    annotate = len(series) <= 3
+    log = False
+    for ax, (col, ylabel, name) in zip(axes, panels, strict=True):
+        top = 0.0
+        knees: list[tuple[float, float, str, str]] = []
+        for label, rows, style in series:
+            x = rows["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB
+            y = 100.0 * rows[col].to_numpy(dtype=float)
+            ux = np.unique(x)
+            mean = np.array([y[x == v].mean() for v in ux])
+            if seeds:
+                lo = np.array([y[x == v].min() for v in ux])
+                hi = np.array([y[x == v].max() for v in ux])
+                ax.fill_between(ux, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+            ax.plot(ux, mean, label=label, markersize=4, **style)
+            top = max(top, float(np.nanmax(mean)) if len(mean) else 0.0)
+            log = _size_axis(ax, df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB)
+            k = knee(ux, mean, log_x=log)
+            if k is None:
+                continue
+            ky = float(mean[ux == k][0])
+            ax.plot([k], [ky], linestyle="none", marker="o", markersize=11, markerfacecolor="none",
+                    markeredgecolor=style["color"], markeredgewidth=1.5)
+            knees.append((k, ky, style["color"], label))
+        if annotate:
+            sizes = df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB
+            _annotate_knees(ax, knees, log, len(series) > 1, sizes)
+        if not series:
+            _note(ax, "no finished point to plot")
+            ax.set_xlabel("CPU cache size (GiB)")
+        ax.set_ylim(0, min(100.0, max(5.0, top * 1.15)))
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{name} vs CPU cache size")
+    if series:
+        title = ", ".join(_key_name(k) for k in keys)
+        if seeds:
+            title = (title + "\n" if title else "") + "mean of seeds (band: min..max)"
+        handles = [ln for ln in axes[0].get_lines() if not ln.get_label().startswith("_")]
+        fig.legend(handles=handles, loc="outside right upper", title=title or None)
+    fig.suptitle(_sweep_title(df, sweep_name, "CPU hit rate and recompute saved vs CPU cache size"
+                              + ("" if annotate or not series else " (ring: knee)"), keys, skipped))
+    return fig
+
+
+@_styled
+def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
+    """TTFT CDF of every finished point of a sweep (from each point's ``requests.parquet``).
+
+    Args:
+        sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame (then
+            ``root`` is the folder its ``run_dir`` values are relative to).
+        root: see ``sweep``.
+    """
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    table, folder, sweep_name = _read_sweep(sweep)
+    base = folder if folder is not None else Path(root) if root is not None else Path()
+    df, skipped = _ok_points(table)
+    keys = _varying(df)
+    fig = _figure(10.0, 4.8)
+    ax = fig.subplots()
+    samples = []
+    series = _series(df, keys) if len(df) else []
+    many = len(df) > 10
+    cmap_colours = None
+    if many:
+        from matplotlib import colormaps
+
+        cmap_colours = colormaps["viridis"](np.linspace(0.0, 0.9, len(df)))
+    n = 0
+    for label, rows, style in series:
+        for j in range(len(rows)):
+            row = rows.iloc[j]
+            req = pq.read_table(base / str(row["run_dir"]) / "requests.parquet",
+                                columns=["arrival_s", "first_token_s"]).to_pandas()
+            xs = _ttft_s(req)
+            samples.append(xs)
+            colour = cmap_colours[n] if cmap_colours is not None else style["color"]
+            lab = label if len(rows) == 1 else f"{label} ({row.get('run_id', j)})"
+            _draw_cdf(ax, xs, color=colour, linestyle=style["linestyle"], linewidth=1.3, label=lab)
+            n += 1
+    _cdf_axes(ax, samples)
+    if ax.lines:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=2 if len(ax.lines) > 14 else 1,
+                  title=", ".join(_key_name(k) for k in keys) or None)
+    else:
+        _note(ax, "no finished point to plot")
+    ax.set_title("TTFT distribution per point")
+    fig.suptitle(_sweep_title(df, sweep_name, "TTFT CDF of every point", keys, skipped))
+    return fig
+
+
+# -- folders ------------------------------------------------------------------------------
+
+
+def folder_kind(folder: str | Path) -> str:
+    """``"sweep"``, ``"compare"`` or ``"run"``, by the file that marks each kind.
+
+    Raises:
+        InputError: the folder is none of the three.
+    """
+    p = Path(folder)
+    if (p / "sweep.parquet").is_file():
+        return "sweep"
+    if (p / "compare.json").is_file():
+        return "compare"
+    if (p / "summary.json").is_file():
+        return "run"
+    raise InputError(str(p), "", "not a results folder (no sweep.parquet, compare.json or summary.json)",
+                     "a folder written by kvsim run, kvsim compare or kvsim sweep")
+
+
+def write_plots(folder: str | Path, out: str | Path | None = None,
+                on_note: Callable[[str], None] | None = None) -> list[Path]:
+    """Write every figure of a run, compare or sweep folder as PNG.
+
+    run: ``occupancy.png``, ``link_utilisation.png``, ``ttft_cdf.png``;
+    compare: ``old_vs_new.png``, ``ttft_cdf.png`` (both runs),
+    ``old-occupancy.png``, ``new-occupancy.png``, ``old-link_utilisation.png``,
+    ``new-link_utilisation.png``; sweep: ``hit_rate_vs_cpu.png``,
+    ``ttft_cdfs.png``.
+
+    Args:
+        folder: the results folder.
+        out: where the PNGs go (default ``<folder>/plots``).
+        on_note: called with one line per thing left out (failed sweep points).
+
+    Returns:
+        the files written, in the order above.
+
+    Raises:
+        InputError: ``folder`` is not a results folder.
+    """
+    src = Path(folder)
+    kind = folder_kind(src)
+    dst = Path(out) if out is not None else src / "plots"
+    written: list[Path] = []
+
+    def put(name: str, fig: Figure) -> None:
+        written.append(save_figure(fig, dst / name))
+
+    if kind == "run":
+        run = _load_run(src)
+        put("occupancy.png", occupancy(run))
+        put("link_utilisation.png", link_utilisation(run))
+        put("ttft_cdf.png", ttft_cdf(run))
+    elif kind == "compare":
+        from sim.io.results import load_results
+
+        runs = {lg: load_results(src / lg) for lg in ("old", "new")}
+        put("old_vs_new.png", old_vs_new(src, runs=runs))
+        put("ttft_cdf.png", ttft_cdf([runs["old"], runs["new"]], [_LOGIC_NAMES["old"], _LOGIC_NAMES["new"]],
+                                     title=run_title(runs["new"].scenario, logic="OLD vs NEW logic")))
+        for lg in ("old", "new"):
+            put(f"{lg}-occupancy.png", occupancy(runs[lg]))
+            put(f"{lg}-link_utilisation.png", link_utilisation(runs[lg]))
+    else:
+        table, _, _ = _read_sweep(src)
+        _, skipped = _ok_points(table)
+        if skipped and on_note is not None:
+            on_note(f"{src}: {len(skipped)} failed point(s) skipped in the plots: {', '.join(skipped)}")
+        put("hit_rate_vs_cpu.png", hit_rate_vs_cpu(src))
+        put("ttft_cdfs.png", ttft_cdfs(src))
+    return written
+
+
+# -- checking a figure --------------------------------------------------------------------
+
+_UNIT = re.compile(r"\([^()]+\)")
+
+
+def _texts(fig: Figure) -> list[tuple[str, Any, int]]:
+    """(description, artist, group) of every visible, non-empty text artist and legend box;
+    members of one legend share a group (they may touch their own box)."""
+    items: list[tuple[str, Any, int]] = []
+    group = 0
+
+    def add(desc: str, t: Any, g: int = -1) -> None:
+        if t is not None and t.get_visible() and t.get_text().strip():
+            items.append((desc, t, g))
+
+    def add_legend(desc: str, leg: Any) -> None:
+        nonlocal group
+        if leg is None or not leg.get_visible():
+            return
+        group += 1
+        items.append((f"{desc} box", leg, group))
+        add(f"{desc} title", leg.get_title(), group)
+        for t in leg.get_texts():
+            add(f"{desc} entry {t.get_text()!r}", t, group)
+
+    for i, ax in enumerate(fig.axes):
+        if not ax.get_visible():
+            continue
+        name = f"axes {i} ({ax.get_title() or ax.get_ylabel()!s})"
+        for title in (ax.title, getattr(ax, "_left_title", None), getattr(ax, "_right_title", None)):
+            add(f"{name} title", title)
+        if ax.axison:
+            add(f"{name} x label", ax.xaxis.label)
+            add(f"{name} y label", ax.yaxis.label)
+            for axis, which in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+                # the ticks drawn (inside the view), as Axis.draw finds them
+                for tick in getattr(axis, "_update_ticks")():  # noqa: B009
+                    for lab in (tick.label1, tick.label2):
+                        add(f"{name} {which} tick {lab.get_text()!r}", lab)
+                add(f"{name} {which} offset", axis.offsetText)
+        for t in ax.texts:
+            add(f"{name} text {t.get_text()!r}", t)
+        add_legend(f"{name} legend", ax.get_legend())
+    for attr in ("_suptitle", "_supxlabel", "_supylabel"):
+        add(f"figure {attr.strip('_')}", getattr(fig, attr, None))
+    for t in fig.texts:
+        if t is not getattr(fig, "_suptitle", None):
+            add(f"figure text {t.get_text()!r}", t)
+    for leg in fig.legends:
+        add_legend("figure legend", leg)
+    return items
+
+
+def layout_problems(fig: Figure, tolerance_px: float = 0.5) -> list[str]:
+    """What is wrong with a figure's text, after drawing it: one line per problem.
+
+    Checks that no two visible text artists (titles, axis labels, tick labels,
+    legend entries and titles, annotations, figure titles) overlap, that no
+    legend box covers a text outside it, that every one lies inside the
+    figure, and that every axes with visible axis lines has an x and a y label
+    with a unit in parentheses.
+
+    Args:
+        fig: the figure (drawn here).
+        tolerance_px: overlaps and overhangs up to this many pixels are ignored.
+    """
+    fig.canvas.draw()
+    renderer = getattr(fig.canvas, "get_renderer")()  # noqa: B009 (Agg canvases have one)
+    width, height = fig.bbox.width, fig.bbox.height
+    problems: list[str] = []
+    for i, ax in enumerate(fig.axes):
+        if ax.get_visible() and ax.axison:
+            for which, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel())):
+                if not label.strip():
+                    problems.append(f"axes {i} ({ax.get_title()}): no {which} label")
+                elif not _UNIT.search(label):
+                    problems.append(f"axes {i} ({ax.get_title()}): {which} label {label!r} has no unit "
+                                    "in parentheses")
+    items = [(d, a.get_window_extent(renderer), g) for d, a, g in _texts(fig)]
+    tol = tolerance_px
+    for d, b, _g in items:
+        if b.x0 < -tol or b.y0 < -tol or b.x1 > width + tol or b.y1 > height + tol:
+            problems.append(f"{d} lies outside the figure ({b.x0:.0f}, {b.y0:.0f}, {b.x1:.0f}, {b.y1:.0f} "
+                            f"in a {width:.0f} x {height:.0f} figure)")
+    for a in range(len(items)):
+        da, ba, ga = items[a]
+        for b_i in range(a + 1, len(items)):
+            db, bb, gb = items[b_i]
+            if ga > 0 and ga == gb:
+                continue  # a legend's own texts and box
+            w = min(ba.x1, bb.x1) - max(ba.x0, bb.x0)
+            h = min(ba.y1, bb.y1) - max(ba.y0, bb.y0)
+            if w > tol and h > tol:
+                problems.append(f"{da} overlaps {db}")
+    return problems
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def add_plot_parser(sub: Any) -> None:
+    """``kvsim plot RESULTS_DIR [--out DIR]``."""
+    p = sub.add_parser("plot", help="write the PNG figures of a run, compare or sweep folder")
+    p.add_argument("results_dir", metavar="RESULTS_DIR",
+                   help="a folder written by kvsim run, kvsim compare or kvsim sweep")
+    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RESULTS_DIR/plots)")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Write the figures and print their paths, one per line (exit 2 on a folder of no known kind)."""
+    folder = Path(args.results_dir)
+    if not folder.is_dir():
+        raise InputError(str(folder), "", "not a directory",
+                         "a folder written by kvsim run, kvsim compare or kvsim sweep")
+    for path in write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr)):
+        print(path)
+    return 0

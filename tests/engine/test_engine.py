@@ -1,0 +1,318 @@
+"""Engine tests: hand-built timelines, fast-forward equivalence, behaviour, invariants."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sim.engine.loop import EngineConfig, InvariantViolation, _Engine, simulate
+from sim.engine.metrics import MemorySink, Recorder
+from sim.io.workload import MultiTurnParams, Request, iter_multiturn
+from sim.model.costs import StepCostModel, TransferModel
+from sim.model.layout import GroupKind, GroupSpec, Layout
+from tests.engine.worlds import (
+    FA16,
+    HALF_S_LINK,
+    HYBRID,
+    ONE_S,
+    SPEC6,
+    crash_world,
+    req,
+    run,
+    timeline,
+)
+
+# -- timelines -----------------------------------------------------------------------
+
+
+def test_timeline_store_then_cpu_hit() -> None:
+    """Request a computes 32 tokens (2 chunks), its store is deferred to the next
+    step; b repeats the prompt after a's blocks left the GPU (no prefix caching):
+    its lookup hits 32 tokens, the load takes 0.5 s, the request is promoted at
+    the step after the completion is reported and recomputes the last token."""
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, prefix_caching=False, cpu_capacity_chunks=10,
+                       step_cost=ONE_S, h2d=HALF_S_LINK, d2h=HALF_S_LINK)
+    f, s = run(cfg, [req("a", 0, 32, 3, prefix=1), req("b", 10, 32, 2, prefix=1)])
+    assert timeline(f) == [
+        ("a", "arrival", 0.0), ("a", "scheduled", 0.0),
+        ("a", "first_token", 1.0),           # prefill step 0..1
+        ("a", "d2h_submit", 1.0),            # stored at the start of the next step
+        ("a", "d2h_end", 1.5),
+        ("a", "finish", 3.0),                # two decode steps
+        ("b", "arrival", 10.0), ("b", "scheduled", 10.0), ("b", "h2d_submit", 10.0),
+        ("b", "h2d_end", 10.5),
+        ("b", "first_token", 11.5),          # 1-token prefill from 10.5
+        ("b", "finish", 12.5),
+    ]
+    rb = f["requests"].set_index("req_id").loc["b"]
+    assert (rb.cpu_hit_tokens, rb.computed_tokens, rb.loaded_bytes, rb.load_jobs) == (32, 1, 2000, 1)
+    assert s["status"] == "ok"
+
+
+def test_timeline_full_gpu_hit_still_loads_the_last_chunk() -> None:
+    """With GPU prefix caching the local hit stops one token short of the prompt,
+    rounded down to a block (16 of 32); the connector (full attention only: no
+    -1 rule) then finds the second chunk on CPU and loads it, and the last token
+    is recomputed: vLLM's behaviour for a fully cached prompt."""
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, cpu_capacity_chunks=10,
+                       step_cost=ONE_S, h2d=HALF_S_LINK, d2h=HALF_S_LINK)
+    f, _ = run(cfg, [req("a", 0, 32, 3, prefix=1), req("b", 10, 32, 2, prefix=1)])
+    rb = f["requests"].set_index("req_id").loc["b"]
+    assert (rb.gpu_hit_tokens, rb.cpu_hit_tokens, rb.computed_tokens) == (16, 16, 1)
+    assert [x for x in timeline(f) if x[0] == "b"] == [
+        ("b", "arrival", 10.0), ("b", "scheduled", 10.0), ("b", "h2d_submit", 10.0),
+        ("b", "h2d_end", 10.5), ("b", "first_token", 11.5), ("b", "finish", 12.5)]
+
+
+def test_timeline_same_time_arrival_is_seen_by_the_step() -> None:
+    """An arrival at the instant a step starts joins that step (documented order)."""
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, cpu_capacity_chunks=10, step_cost=ONE_S)
+    f, _ = run(cfg, [req("a", 0, 16, 3, prefix=1), req("b", 1.0, 16, 1, prefix=2)])
+    steps = f["steps"]
+    row = steps[steps.start_s == 1.0].iloc[0]
+    assert (row.prefill_tokens, row.decode_seqs) == (16, 1)
+    assert f["requests"].set_index("req_id").loc["b"].first_token_s == 2.0
+
+
+def test_timeline_preemption_recomputes() -> None:
+    """Two requests share a 5-block pool; at 48 tokens the second cannot grow and
+    is preempted (it is the last running one), then resumes after a finishes
+    and recomputes its prompt and generated tokens."""
+    cfg = EngineConfig(layout=FA16, gpu_blocks=6, prefix_caching=False, offloading=False,
+                       step_cost=ONE_S)
+    f, s = run(cfg, [req("a", 0, 32, 20, prefix=1), req("b", 0, 32, 20, prefix=2)])
+    r = f["requests"].set_index("req_id")
+    assert r.loc["a"].preemptions == 0 and r.loc["b"].preemptions >= 1
+    # b computed its prompt, then recomputed prompt + generated tokens
+    assert r.loc["b"].recomputed_tokens > 0
+    assert r.loc["b"].computed_tokens == 32 + r.loc["b"].recomputed_tokens + (
+        r.loc["b"].computed_tokens - 32 - r.loc["b"].recomputed_tokens)
+    assert r.loc["b"].finish_s > r.loc["a"].finish_s
+    assert (r.output_tokens == 20).all()
+    assert s["engine"]["preemptions"] == r.preemptions.sum()
+
+
+# -- fast-forward ------------------------------------------------------------------------
+
+
+def _workload(seed: int, n: int, tph: int = 16) -> list[Request]:
+    p = MultiTurnParams(sessions=12, session_rate_per_s=4.0, turns_mean=3.0, system_prompt_tokens=512,
+                        first_user_tokens_mean=1200.0, followup_user_tokens_mean=200.0,
+                        output_tokens_mean=80.0, max_context_tokens=6000, think_time_mean_s=3.0)
+    return list(iter_multiturn(p, seed, tph, limit=n))
+
+
+FF_CASES = {
+    "hybrid-roomy": EngineConfig(layout=HYBRID, gpu_blocks=3000, cpu_capacity_chunks=400,
+                                 step_cost=StepCostModel(0.004, 2e-5, 1e-4, 1e-8),
+                                 h2d=TransferModel(2e9, 1e-4), d2h=TransferModel(2e9, 1e-4)),
+    "hybrid-tight": EngineConfig(layout=HYBRID, gpu_blocks=700, cpu_capacity_chunks=120,
+                                 max_num_seqs=6, max_num_batched_tokens=1024,
+                                 step_cost=StepCostModel(0.004, 2e-5, 1e-4, 1e-8),
+                                 h2d=TransferModel(5e8, 1e-4), d2h=TransferModel(5e8, 1e-4)),
+    "spec6-old": EngineConfig(layout=SPEC6, gpu_blocks=4000, cpu_capacity_chunks=300, window_logic="old",
+                              step_cost=StepCostModel(0.004, 2e-5, 1e-4, 1e-8),
+                              h2d=TransferModel(1e8, 1e-4), d2h=TransferModel(1e8, 1e-4),
+                              occupancy_interval_s=0.37),
+    "fa-zero-time": EngineConfig(layout=FA16, gpu_blocks=2000, prefix_caching=False, cpu_capacity_chunks=100),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FF_CASES))
+def test_fast_forward_is_identical_to_stepping(case: str) -> None:
+    cfg = FF_CASES[case]
+    tph = cfg.layout.tokens_per_hash
+    reqs = _workload(seed=len(case), n=60, tph=tph)
+    fast, s_fast = run(cfg, reqs)
+    slow, s_slow = run(replace(cfg, fast_forward=False), reqs)
+    for table in ("requests", "transfers", "events", "occupancy"):
+        pd.testing.assert_frame_equal(fast[table], slow[table], check_exact=True)
+    s_fast["engine"].pop("step_rows")
+    s_slow["engine"].pop("step_rows")
+    assert s_fast == s_slow
+    # it did collapse steps, and stepping is step-by-step
+    assert (fast["steps"].n_steps > 1).any()
+    assert (slow["steps"].n_steps <= 1).all()
+    assert fast["steps"].n_steps.sum() == slow["steps"].n_steps.sum()
+
+
+# -- behaviour ----------------------------------------------------------------------------
+
+
+def _repeat_after_eviction(offloading: bool) -> pd.DataFrame:
+    """a's prompt, then enough other traffic to push a's blocks out of a small
+    GPU pool, then a's prompt again."""
+    reqs = [req("a", 0, 256, 2, prefix=1)]
+    reqs += [req(f"x{i}", 1 + i, 256, 2, prefix=10 + i) for i in range(6)]
+    reqs.append(req("a2", 20, 256, 2, prefix=1))
+    cfg = EngineConfig(layout=FA16, gpu_blocks=40, cpu_capacity_chunks=200, offloading=offloading,
+                       step_cost=StepCostModel(0.01, 1e-5), h2d=TransferModel(1e9), d2h=TransferModel(1e9))
+    f, _ = run(cfg, reqs)
+    return f["requests"].set_index("req_id")
+
+
+def test_repeat_after_gpu_eviction_hits_cpu_only_with_offloading() -> None:
+    on = _repeat_after_eviction(True)
+    off = _repeat_after_eviction(False)
+    assert on.loc["a2"].gpu_hit_tokens == 0 and off.loc["a2"].gpu_hit_tokens == 0
+    assert on.loc["a2"].cpu_hit_tokens == 256
+    assert off.loc["a2"].cpu_hit_tokens == 0
+    assert on.loc["a2"].computed_tokens < off.loc["a2"].computed_tokens
+
+
+def test_larger_lru_cache_never_lowers_the_hit_rate() -> None:
+    reqs = _workload(seed=7, n=120)
+    rates = []
+    for cap in (0, 16, 64, 256, 1024, 4096):
+        cfg = EngineConfig(layout=HYBRID, gpu_blocks=600, cpu_capacity_chunks=cap, prefix_caching=False)
+        _, s = run(cfg, reqs)
+        rates.append(s["cpu_hit_rate"])
+    assert rates == sorted(rates)
+    assert rates[0] == 0 and rates[-1] > 0.2
+
+
+def test_ttft_rises_as_h2d_bandwidth_falls() -> None:
+    reqs = _workload(seed=3, n=80)
+    p50 = []
+    for bw in (64e9, 8e9, 1e9, 1.25e8):
+        cfg = EngineConfig(layout=HYBRID, gpu_blocks=600, cpu_capacity_chunks=4096, prefix_caching=False,
+                           step_cost=StepCostModel(0.005, 2e-5, 1e-4), h2d=TransferModel(bw, 1e-5),
+                           d2h=TransferModel(64e9, 1e-5))
+        _, s = run(cfg, reqs)
+        p50.append(s["ttft_s"]["p90"])
+    assert p50 == sorted(p50) and p50[-1] > p50[0]
+
+
+def test_old_crash_is_recorded_and_the_request_recomputes() -> None:
+    f, res = crash_world("record", "old")
+    assert res.status == "ok"
+    ev = f["events"]
+    assert list(zip(ev.kind, ev.detail, ev.req_id, ev.group, ev.chunk, strict=True)) == [
+        ("crash", "missing_chunk", "b", 1, 14)]
+    r = f["requests"].set_index("req_id")
+    assert r.loc["b"].crash == "missing_chunk" and r.loc["b"].status == "finished"
+    assert r.loc["b"].cpu_hit_tokens == 0 and r.loc["b"].computed_tokens == 4353
+    assert r.loc["c"].status == "finished" and pd.isna(r.loc["c"].crash)
+    s = res.summary.figures()
+    assert s["crashes"] == {"count": 1, "kinds": {"missing_chunk": 1}, "first_s": 1.0}
+
+
+def test_old_crash_can_stop_the_run_cleanly() -> None:
+    f, res = crash_world("stop", "old")
+    assert res.status == "stopped_on_crash"
+    assert list(f["events"].kind) == ["crash"]
+    r = f["requests"].set_index("req_id")
+    assert r.loc["b"].status == "unfinished" and r.loc["b"].crash == "missing_chunk"
+    assert res.summary.sim_time_s == 1.0
+
+
+def test_new_logic_does_not_crash_in_the_same_world() -> None:
+    f, res = crash_world("record", "new")
+    assert res.status == "ok" and res.summary.crashes == 0 and f["events"].empty
+    r = f["requests"].set_index("req_id")
+    assert r.loc["b"].cpu_hit_tokens == 0 and (r.status == "finished").all()
+
+
+# -- invariants -----------------------------------------------------------------------
+
+
+def test_leak_fails_the_run_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sim.model.gpu_cache import GpuKVCache
+
+    real_free = GpuKVCache.free
+
+    def leaky_free(self: GpuKVCache, req_id: str) -> None:
+        if req_id == "b":
+            self.req_blocks.pop(req_id)   # forget b's blocks without freeing them
+            return
+        real_free(self, req_id)
+
+    monkeypatch.setattr(GpuKVCache, "free", leaky_free)
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, cpu_capacity_chunks=10)
+    with pytest.raises(InvariantViolation, match="GPU blocks still referenced"):
+        run(cfg, [req("a", 0, 32, 3, prefix=1), req("b", 1, 32, 3, prefix=2)])
+
+
+def test_requests_must_arrive_in_order() -> None:
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100)
+    with pytest.raises(ValueError, match="sorted"):
+        run(cfg, [req("a", 5, 32, 3, prefix=1), req("b", 1, 32, 3, prefix=2)])
+
+
+def test_too_long_request_is_rejected_not_stuck() -> None:
+    cfg = EngineConfig(layout=FA16, gpu_blocks=10, cpu_capacity_chunks=10)
+    f, s = run(cfg, [req("big", 0, 400, 3, prefix=1), req("ok", 1, 32, 3, prefix=2)])
+    r = f["requests"].set_index("req_id")
+    assert r.loc["big"].status == "rejected" and r.loc["ok"].status == "finished"
+    assert s["requests"]["rejected"] == 1
+    ev = f["events"]
+    assert list(ev.kind) == ["rejected"] and ev.iloc[0].req_id == "big"
+
+
+def test_attended_context_counts_what_each_kind_reads() -> None:
+    """The step's context term: full attention reads the whole context, a
+    sliding window its last W tokens, chunked local its current chunk, mamba
+    one state block; weighted by bytes per token."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=16 * 10),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=128, bytes_per_block=16 * 3),
+                        GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=64, bytes_per_block=16 * 2),
+                        GroupSpec(GroupKind.MAMBA, 32, bytes_per_block=32 * 5)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    eng = _Engine(EngineConfig(layout=layout, gpu_blocks=10), [], Recorder(MemorySink()), None)
+    assert eng._bpt_total == 20
+    assert eng._attended(1000) == 1000 * 10 + 128 * 3 + (1000 - 960) * 2 + 32 * 5
+    assert eng._attended(64) == 64 * 10 + 64 * 3 + 64 * 2 + 32 * 5
+    assert eng._attended(65) == 65 * 10 + 65 * 3 + 1 * 2 + 32 * 5
+    assert eng._attended(5) == 5 * 10 + 5 * 3 + 5 * 2 + 5 * 5
+    # the vectorised form used by fast-forward agrees with the scalar one
+    class R:
+        def __init__(self, nc: int) -> None:
+            self.num_computed = nc
+    rs = [R(3), R(63), R(127), R(900)]
+    runs = eng._attended_runs(rs, 70)  # type: ignore[arg-type]
+    assert runs == [sum(eng._attended(r.num_computed + 1 + s) for r in rs) for s in range(70)]
+    # a full-attention-only layout keeps the plain token count
+    fa_only = _Engine(EngineConfig(layout=FA16, gpu_blocks=10), [], Recorder(MemorySink()), None)
+    assert fa_only._attended(777) / fa_only._bpt_total == 777
+
+
+@pytest.mark.parametrize(("trace", "chunks"), [("tiny_pool_hang.csv", 11), ("tiny_pool_deadlock.csv", 15)])
+def test_tiny_gpu_pool_never_hangs(trace: str, chunks: int, tmp_path: Path) -> None:
+    """Found by `kvsim compare` tests: a 300-block pool on the spec §6 layout
+    with 2048-token prefill chunks. A request that cannot take its next chunk
+    even alone used to preempt itself forever (zero step time: a hang); loaded
+    requests holding blocks with nothing running used to deadlock. Now the
+    first is rejected and the second broken by preempting the holders."""
+    from sim.io.scenario import load_run
+
+    data = Path(__file__).parents[1] / "data" / trace
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(f'''schema = "run/1"
+name = "tiny"
+[model]
+name = "spec6"
+[hardware]
+gpu_blocks = 300
+[cpu_cache]
+chunks = {chunks}
+policy = "arc"
+[scheduler]
+tokens_per_hash = 8
+blocks_per_chunk = 4
+max_num_batched_tokens = 2048
+prefix_caching = false
+[costs]
+step = "zero"
+[workload]
+kind = "trace"
+path = "{data}"
+''')
+    spec = load_run(scenario)
+    res = simulate(spec.engine_config(), spec.requests(), Recorder(MemorySink()))
+    assert res.status == "ok"
+    s = res.summary
+    assert s.requests_arrived == 5 and s.requests_finished + s.requests_rejected == 5
+    assert s.requests_finished >= 2

@@ -1,0 +1,194 @@
+"""The run folder: Parquet sink, atomic writer, reading a run back (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import sim
+from sim.engine.metrics import TABLES, Recorder, RunSummary
+from sim.errors import InputError
+from sim.io.results import (
+    ParquetSink,
+    RunWriter,
+    arrow_schema,
+    load_results,
+    summary_table,
+    write_json_atomic,
+)
+from tests.helpers import ROOT
+
+
+def _fill(folder: Path, n: int = 5, batch_rows: int = 2) -> None:
+    sink = ParquetSink(folder)
+    rec = Recorder(sink, batch_rows=batch_rows)
+    for i in range(n):
+        rec.add("events", (0.5 * i, "crash", "missing_chunk", None if i % 2 else f"r{i}", 1, i, "m"))
+        rec.add("transfers", (i, f"r{i}", "h2d", 2, 8, 4096 * i, 0.1 * i, 0.1 * i, 0.2 * i, i == 3))
+    rec.flush()
+    sink.close()
+
+
+def test_parquet_output_is_byte_identical(tmp_path: Path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _fill(a)
+    _fill(b)
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(f"{t}.parquet" for t in TABLES)
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_every_table_is_written_with_its_schema_even_when_empty(tmp_path: Path):
+    _fill(tmp_path)
+    for table, cols in TABLES.items():
+        t = pq.read_table(tmp_path / f"{table}.parquet")
+        assert t.schema.names == [c for c, _ in cols]
+        assert t.schema == arrow_schema(table)
+    assert pq.read_table(tmp_path / "steps.parquet").num_rows == 0
+    assert pq.read_table(tmp_path / "events.parquet").num_rows == 5
+
+
+def test_arrow_types_follow_the_table_types():
+    s = arrow_schema("requests")
+    assert str(s.field("req_id").type) == "string" and not s.field("req_id").nullable
+    assert s.field("session_id").nullable
+    assert str(s.field("prompt_tokens").type) == "int64"
+    assert str(s.field("first_token_s").type) == "double" and s.field("first_token_s").nullable
+    assert str(arrow_schema("transfers").field("flushed").type) == "bool"
+
+
+def test_null_in_a_non_nullable_column_is_refused(tmp_path: Path):
+    sink = ParquetSink(tmp_path)
+    row = dict(zip([c for c, _ in TABLES["events"]], [[0.0], [None], ["x"], [None], [1], [2], ["m"]],
+                   strict=True))
+    with pytest.raises(Exception, match=r"null|None|non-nullable"):
+        sink.write("events", row)
+
+
+def _write_run(target: Path, overwrite: bool = False, status: str = "ok") -> Path:
+    w = RunWriter(target, overwrite)
+    folder = w.start()
+    assert folder.name == f".{target.name}.tmp-{os.getpid()}" and folder.parent == target.parent
+    _fill(folder)
+    summary = RunSummary().figures() if status == "ok" else {"error": "RuntimeError: boom"}
+    return w.finish(status, summary, 'schema = "run/1"\nseed = 3\n', {"wall_clock_s": 1.5, "argv": ["x"]})
+
+
+def test_run_writer_writes_the_folder_and_leaves_no_temp(tmp_path: Path):
+    target = tmp_path / "results" / "demo"
+    assert _write_run(target) == target
+    names = sorted(p.name for p in target.iterdir())
+    assert names == sorted([f"{t}.parquet" for t in TABLES]
+                           + ["summary.json", "scenario.toml", "run_info.json"])
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["demo"]  # no .tmp / .old left
+    summary = json.loads((target / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    text = (target / "summary.json").read_text()
+    assert text == json.dumps(summary, sort_keys=True, indent=2) + "\n"
+
+
+def test_run_writer_refuses_a_non_empty_target(tmp_path: Path):
+    target = tmp_path / "demo"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(InputError) as info:
+        RunWriter(target, overwrite=False)
+    assert info.value.source == str(target) and "--overwrite" in info.value.allowed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    assert (target / "keep.txt").read_text() == "mine"
+
+
+def test_run_writer_accepts_an_empty_target_and_overwrites(tmp_path: Path):
+    target = tmp_path / "demo"
+    target.mkdir()
+    _write_run(target)
+    (target / "extra.txt").write_text("old")
+    _write_run(target, overwrite=True)
+    assert not (target / "extra.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_run_writer_refuses_a_file_target(tmp_path: Path):
+    (tmp_path / "demo").write_text("x")
+    with pytest.raises(InputError):
+        RunWriter(tmp_path / "demo", overwrite=True)
+
+
+def test_failed_status_is_written(tmp_path: Path):
+    target = _write_run(tmp_path / "demo", status="failed")
+    summary = json.loads((target / "summary.json").read_text())
+    assert summary == {"error": "RuntimeError: boom", "status": "failed"}
+    res = load_results(target)
+    assert res.summary["status"] == "failed"
+
+
+def test_abort_removes_the_temp_folder(tmp_path: Path):
+    w = RunWriter(tmp_path / "demo")
+    w.start()
+    w.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_results_returns_frames(tmp_path: Path):
+    target = _write_run(tmp_path / "demo")
+    res = sim.load_results(target)
+    for table, cols in TABLES.items():
+        frame = getattr(res, table)
+        assert list(frame.columns) == [c for c, _ in cols], table
+    assert len(res.events) == 5 and len(res.steps) == 0
+    assert res.events["req_id"].isna().sum() == 2
+    assert res.transfers["flushed"].tolist() == [False, False, False, True, False]
+    assert res.scenario == {"schema": "run/1", "seed": 3}
+    assert res.run_info["wall_clock_s"] == 1.5
+    assert res.summary["status"] == "ok"
+
+
+def test_load_results_of_a_missing_table_is_empty(tmp_path: Path):
+    target = _write_run(tmp_path / "demo")
+    (target / "occupancy.parquet").unlink()
+    res = load_results(target)
+    assert list(res.occupancy.columns) == [c for c, _ in TABLES["occupancy"]] and res.occupancy.empty
+
+
+def test_load_results_refuses_a_non_run_folder(tmp_path: Path):
+    with pytest.raises(InputError, match=r"summary\.json"):
+        load_results(tmp_path)
+
+
+def test_write_json_atomic_sorted_and_no_temp(tmp_path: Path):
+    p = tmp_path / "x.json"
+    write_json_atomic(p, {"b": 1, "a": [1, 2]})
+    assert p.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+    assert [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_summary_table_has_every_figure(tmp_path: Path):
+    s = RunSummary(requests_arrived=3, requests_finished=2, prompt_tokens=100, cpu_hit_tokens=25,
+                   loaded_bytes=3 * 2**30, crashes=1, crash_kinds={"missing_chunk": 1}, first_crash_s=1.25,
+                   sim_time_s=10.0, ttft_s=[0.1, 0.2], tpot_s=[0.01])
+    text = summary_table({**s.figures(), "status": "ok", "end": "ok"}, tmp_path)
+    for label in ("requests finished / arrived", "GPU hit rate", "CPU hit rate", "recompute saved",
+                  "TTFT p50 / p90 / p99", "TPOT mean / p50", "throughput", "bytes moved H2D / D2H",
+                  "link utilisation H2D / D2H", "preemptions", "deferrals", "crashes", "hazards", "results"):
+        assert label in text, label
+    assert "2 / 3" in text and "25.0%" in text and "3.00 GiB" in text
+    assert "missing_chunk 1; first at 1.250 s" in text
+    assert str(tmp_path) in text
+    failed = summary_table({"status": "failed", "error": "RuntimeError: boom"})
+    assert "FAILED" in failed and "boom" in failed
+
+
+def test_import_sim_stays_light():
+    code = ("import sys, sim; heavy = [m for m in ('pandas', 'pyarrow', 'pydantic', 'simpy', 'matplotlib') "
+            "if m in sys.modules]; print(heavy); assert callable(sim.load_results)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,126 @@
+"""GPU block pool for running requests: window frees, commits, quiet thresholds."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.model.gpu_cache import NULL_BLOCK_ID, GpuKVCache
+from sim.model.layout import GroupKind, GroupSpec, Layout
+from tests.helpers import fa, swa
+
+
+def _hashes(n: int, salt: int = 0) -> list[int]:
+    return [salt * 1_000_000 + i for i in range(n)]
+
+
+def test_window_blocks_are_freed_highest_index_first() -> None:
+    layout = Layout.of([fa(16), swa(16, 32)], tokens_per_hash=16, blocks_per_chunk=1)
+    gpu = GpuKVCache(layout, 64)
+    empty: tuple[list, list] = ([], [])
+    alloc = gpu.allocate_new("r", empty, 0, 0, 128)
+    assert alloc is not None
+    swa_ids = [b.block_id for b in gpu.req_blocks["r"][1]]
+    free_before = gpu.pool.num_free
+    # at 128 computed tokens the window (32) keeps tokens 97..127: blocks 6, 7
+    ids = gpu.allocate_more("r", 128, 129)
+    assert ids is not None and len(ids[0]) == 1 and len(ids[1]) == 1
+    assert [b.block_id for b in gpu.req_blocks["r"][1][:6]] == [NULL_BLOCK_ID] * 6
+    assert gpu.pool.num_free == free_before + 6 - 2   # 6 freed, one new block per group
+    # the freed blocks went to the tail, highest index first
+    tail = list(gpu.pool._free)[-6:]
+    assert tail == list(reversed(swa_ids[:6]))
+    gpu.free("r")
+    gpu.pool.check_invariants()
+    assert gpu.pool.num_used == 0
+
+
+def test_allocate_more_fails_cleanly_when_short() -> None:
+    layout = Layout.of([fa(16)], tokens_per_hash=16, blocks_per_chunk=1)
+    gpu = GpuKVCache(layout, 4)
+    assert gpu.allocate_new("r", ([],), 0, 0, 48) is not None
+    assert gpu.allocate_more("r", 48, 49) is None
+    assert len(gpu.req_blocks["r"][0]) == 3
+
+
+KINDS = st.sampled_from(["full", "sliding_window", "chunked_local", "mamba"])
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> Layout:
+    n = draw(st.integers(1, 3))
+    groups = []
+    for _ in range(n):
+        kind = draw(KINDS)
+        bs = draw(st.sampled_from([8, 16, 32]))
+        if kind == "sliding_window":
+            groups.append(GroupSpec(GroupKind.SLIDING_WINDOW, bs, window=draw(st.integers(1, 100)),
+                                    extra_retained_tokens=draw(st.integers(0, 9))))
+        elif kind == "chunked_local":
+            chunk = bs * draw(st.integers(1, 4))
+            groups.append(GroupSpec(GroupKind.CHUNKED_LOCAL, bs, attention_chunk=chunk))
+        elif kind == "mamba":
+            groups.append(GroupSpec(GroupKind.MAMBA, bs))
+        else:
+            groups.append(GroupSpec(GroupKind.FULL, bs))
+    return Layout.of(groups, tokens_per_hash=8, blocks_per_chunk=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.integers(1, 300), st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       st.booleans())
+def test_below_thresholds_nothing_changes(layout: Layout, prompt: int, steps: list[int],
+                                          caching: bool) -> None:
+    """Property: while the slot count stays below ``thresholds()[0]`` and the
+    computed count below ``[1]``, ``allocate_more`` + ``commit`` change nothing
+    (the engine skips those calls)."""
+    gpu = GpuKVCache(layout, 10_000, enable_caching=caching)
+    hashes = _hashes(2000)
+    empty = tuple([] for _ in layout.groups)
+    assert gpu.allocate_new("r", empty, 0, 0, prompt) is not None
+    gpu.commit("r", hashes, prompt)
+    nc = prompt
+    for step in steps:
+        slots_thr, comp_thr = gpu.thresholds("r")
+        before = ([[b.block_id for b in bl] for bl in gpu.req_blocks["r"]],
+                  gpu.pool.num_free, gpu.pool.num_cached)
+        ids = gpu.allocate_more("r", nc, nc + step)
+        assert ids is not None
+        gpu.commit("r", hashes, nc + step)
+        after = ([[b.block_id for b in bl] for bl in gpu.req_blocks["r"]],
+                 gpu.pool.num_free, gpu.pool.num_cached)
+        if nc + step < slots_thr and nc < comp_thr:
+            assert after == before
+        nc += step
+    gpu.free("r")
+    gpu.pool.check_invariants()
+
+
+def _reference_window_hit(gpu: GpuKVCache, g: int, hashes: list[int], max_tokens: int) -> int:
+    """The plain definition: the largest boundary whose retained blocks are all cached."""
+    bs = gpu.layout.groups[g].tokens_per_block
+    for end in range(max_tokens // bs, 0, -1):
+        first, _ = gpu.retained_range(g, end * bs)
+        if all(gpu.pool.cached((hashes[(i + 1) * (bs // 8) - 1], g)) is not None for i in range(first, end)):
+            return end * bs
+    return 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["sw", "cl"]), st.sampled_from([8, 16]), st.integers(1, 100), st.integers(0, 3),
+       st.integers(1, 4), st.integers(1, 60), st.data())
+def test_window_hit_scan_equals_the_definition(kind: str, bs: int, window: int, extra: int, chunks: int,
+                                               n: int, data: st.DataObject) -> None:
+    g1 = (GroupSpec(GroupKind.SLIDING_WINDOW, bs, window=window, extra_retained_tokens=extra)
+          if kind == "sw" else GroupSpec(GroupKind.CHUNKED_LOCAL, bs, attention_chunk=bs * chunks))
+    gpu = GpuKVCache(Layout.of([GroupSpec(GroupKind.FULL, bs), g1], tokens_per_hash=8, blocks_per_chunk=1),
+                     4000)
+    hashes = list(range(1, n * bs // 8 + 1))
+    cached = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    for i, c in enumerate(cached):
+        if c:
+            b = gpu.pool.get_new_blocks(1)[0]
+            gpu.pool.commit(b, (hashes[(i + 1) * (bs // 8) - 1], 1))
+            gpu.pool.free([b])
+    max_tokens = data.draw(st.integers(0, n * bs))
+    assert gpu._group_hit(1, hashes, max_tokens) == _reference_window_hit(gpu, 1, hashes, max_tokens)

@@ -1,0 +1,300 @@
+"""`kvsim fuzz`: the decision fuzzer (fast path, conditions, shrinking, library
+entries), the whole-run fuzzer (injected bugs are found, correct runs are
+clean) and the parallel `kvsim regress`."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+from sim.io.check import load_check_file, parse_check
+from sim.tools import fuzz
+from sim.tools.fuzz import (
+    Condition,
+    FuzzScenario,
+    condition_of,
+    fast_outcomes,
+    fuzz_decisions,
+    fuzz_runs,
+    reference_outcomes,
+    scenario_at,
+    shrink,
+)
+from sim.tools.regress import run_library
+
+ROOT = Path(__file__).resolve().parents[2]
+CRASH = ROOT / "scenarios" / "crash"
+UNALIGNED_OLD = {"crash:missing_chunk", "crash:chunk_not_ready", "hit+double_load"}
+
+
+def library() -> list[FuzzScenario]:
+    out = []
+    for path in sorted(CRASH.rglob("*.toml")):
+        _, items = load_check_file(path)
+        out.append(FuzzScenario.from_check(parse_check(items[0], str(path))))
+    return out
+
+
+# -- the fast path ------------------------------------------------------------------------
+
+
+def test_fast_path_equals_run_check_on_random_scenarios():
+    n = 2500
+    for i in range(n):
+        fs = scenario_at(7, i)
+        assert fast_outcomes(fs) == reference_outcomes(fs), (i, fs)
+
+
+def test_fast_path_equals_run_check_on_the_library_and_on_shrink_candidates():
+    cases = library()
+    assert len(cases) >= 30
+    rng = random.Random(3)
+    for fs in cases:
+        assert fast_outcomes(fs) == reference_outcomes(fs), fs
+        # the shrinker's odd variants (tph 1, split chunks, kinds turned into FA, ...)
+        cands = [c for c in fuzz._candidates(fs) if c.valid()]
+        for c in rng.sample(cands, min(12, len(cands))):
+            assert fast_outcomes(c) == reference_outcomes(c), c
+
+
+def test_cross_check_catches_a_diverging_fast_path(monkeypatch):
+    real = fuzz._allocate
+
+    def wrong(layout, local, ext):  # one block too few retained in every group
+        lists, nulls = real(layout, local, ext)
+        return [bl[1:] if len(bl) > 1 else bl for bl in lists], nulls
+
+    monkeypatch.setattr(fuzz, "_allocate", wrong)
+    rep = fuzz_decisions(600, 1, jobs=1, verify_every=1)
+    assert rep.divergences
+
+
+# -- generation, determinism ----------------------------------------------------------------
+
+
+def test_scenarios_are_valid_and_deterministic():
+    for i in range(500):
+        fs = scenario_at(11, i)
+        assert fs == scenario_at(11, i)
+        assert fs.valid(), fs
+        fs.to_check()  # check/1 accepts it
+    assert scenario_at(11, 0) != scenario_at(12, 0)
+
+
+def test_search_is_deterministic_and_independent_of_jobs():
+    a = fuzz_decisions(5000, 3, jobs=1, verify_every=0)
+    b = fuzz_decisions(5000, 3, jobs=2, verify_every=0)
+    assert a.scanned == b.scanned == 5000
+    assert a.findings == b.findings > 0
+    sig = [(c.condition, c.first_index, c.count, c.shrunk) for c in a.conditions]
+    assert sig == [(c.condition, c.first_index, c.count, c.shrunk) for c in b.conditions]
+
+
+# -- classification, dedupe, shrinking ----------------------------------------------------------
+
+
+def test_classes_and_conditions_of_the_spec_cases():
+    fs = FuzzScenario.from_check(parse_check(
+        tomllib.loads((CRASH / "s6-b3904-left-missing.toml").read_text()), "s6"))
+    cond = condition_of(fs, fast_outcomes(fs))
+    assert cond == Condition("old", "crash:missing_chunk", "new", "zero", "", "sliding_window", True)
+    assert cond.words() == "unaligned sliding-window hit: OLD crash missing_chunk, NEW 0"
+    same = FuzzScenario.from_check(parse_check(
+        tomllib.loads((CRASH / "s6-b3840-left-missing.toml").read_text()), "s6"))
+    assert condition_of(same, fast_outcomes(same)) is None  # both load 3840: not a finding
+
+
+def test_shrinking_keeps_the_condition_and_reduces_the_case():
+    fs = FuzzScenario.from_check(parse_check(
+        tomllib.loads((CRASH / "s6-b3904-left-pending-eagle.toml").read_text()), "s6"))
+    cond = condition_of(fs, fast_outcomes(fs))
+    assert cond is not None and cond.a == "crash:chunk_not_ready" and cond.b == "defer"
+    small, evals = shrink(fs, cond)
+    assert evals > 0
+    assert condition_of(small, reference_outcomes(small)) == cond  # the reference path agrees
+    assert small.size() < fs.size()
+    assert small.num_tokens < fs.num_tokens / 4
+    assert len(small.states) < len(fs.states)
+    # a shrunk case is (locally) minimal: shrinking it again changes nothing
+    assert shrink(small, cond)[0] == small
+
+
+def test_findings_are_deduplicated_by_condition_and_written_once(tmp_path: Path):
+    out = tmp_path / "fuzz"
+    rep = fuzz_decisions(3000, 5, out=out, jobs=1)
+    conds = [c.condition for c in rep.conditions]
+    assert len(conds) == len(set(conds)) > 3
+    assert sum(c.count for c in rep.conditions) == rep.findings
+    files = sorted(out.glob("*.toml"))
+    assert len(files) == len(conds) == sum(c.status == "written" for c in rep.conditions)
+    assert len({c.condition.slug() for c in rep.conditions}) == len(conds)
+    # every entry reproduces its observed outcomes (check and regress pass)
+    results = run_library(out, jobs=1)
+    assert all(r.ok for r in results), [r.mismatches for r in results if not r.ok]
+    # a second search with the same seed writes nothing new
+    again = fuzz_decisions(3000, 5, out=out, jobs=1)
+    assert {c.status for c in again.conditions} == {"unchanged"}
+    # a different existing file of a condition is never overwritten
+    victim = files[0]
+    victim.write_text(victim.read_text() + "# edited\n")
+    other = fuzz_decisions(3000, 5, out=out, jobs=1)
+    kept = [c for c in other.conditions if c.path == victim]
+    assert kept and kept[0].status == "kept existing"
+    assert victim.read_text().endswith("# edited\n")
+
+
+def test_simulator_exceptions_are_findings(tmp_path: Path, monkeypatch):
+    from sim.model.connector import OffloadingScheduler
+
+    real = OffloadingScheduler.update_state_after_alloc
+
+    def broken(self, req, blocks, ext, null_prefix=None):
+        if len(blocks) == 3:
+            raise KeyError("injected")
+        return real(self, req, blocks, ext, null_prefix)
+
+    monkeypatch.setattr(OffloadingScheduler, "update_state_after_alloc", broken)
+    rep = fuzz_decisions(800, 2, out=tmp_path, jobs=1, verify_every=0)
+    bugs = rep.simulator_bugs
+    assert bugs and bugs[0].condition.a == "error:KeyError"
+    assert bugs[0].path is not None and bugs[0].path.suffix == ".json"
+    assert not list(tmp_path.glob("*error*.toml"))  # not a library entry
+
+
+# -- acceptance: seed 1 rediscovers the unaligned-hit class (spec §6) ---------------------------
+
+
+def test_seed_1_rediscovers_the_unaligned_hit_class(tmp_path: Path, capsys):
+    out = tmp_path / "fuzz"
+    code = main(["fuzz", "--budget", "8192", "--seed", "1", "--out", str(out), "--jobs", "2", "-q"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "scenarios/s wall" in text
+    found = []
+    for path in sorted(out.glob("*.toml")):
+        head = path.read_text().splitlines()[2]
+        assert head.startswith("# fuzz key: ")
+        key = dict(kv.split("=", 1) for kv in head[len("# fuzz key: "):].split())
+        if (key["kind"] == "sliding_window" and key["unaligned"] == "1" and key["a"] in UNALIGNED_OLD
+                and (key["b"] in ("zero", "defer") or (key["b"] == "hit" and key["relation"] == "smaller"))):
+            found.append(path)
+    assert found, sorted(p.name for p in out.glob("*.toml"))
+    assert (out / "old-crash-missing_chunk--new-zero--swa-unaligned.toml") in found
+    for path in found:
+        assert main(["check", str(path)]) == 0
+        data = tomllib.loads(path.read_text())
+        assert data["window_logic"] == "both" and {"old", "new"} <= set(data["expect"])
+    assert main(["regress", str(out)]) == 0
+
+
+# -- the whole-run fuzzer ------------------------------------------------------------------------
+
+
+def test_run_fuzzer_is_clean_on_correct_code():
+    rep = fuzz_runs(24, 4, jobs=2)
+    assert rep.findings == [], [(f.kind, f.logic, f.index, f.detail) for f in rep.findings]
+    # and it exercised what it is meant to: preemptions, CPU loads, full CPU caches
+    assert rep.coverage["new:preemptions"] and rep.coverage["new:load_jobs"]
+    assert rep.coverage["new:store_rejections"]
+
+
+def test_run_fuzzer_finds_an_injected_block_leak(tmp_path: Path, monkeypatch, capsys):
+    from sim.model.gpu_cache import GpuKVCache
+
+    real = GpuKVCache.free
+
+    def leaky(self, req_id):   # the last block of group 0 is never released
+        blocks = self.req_blocks[req_id][0]
+        if blocks and blocks[-1].block_id:
+            blocks.pop()
+        real(self, req_id)
+
+    monkeypatch.setattr(GpuKVCache, "free", leaky)
+    rep = fuzz_runs(3, 4, out=tmp_path, jobs=1)
+    kinds = {(f.kind, f.logic) for f in rep.findings}
+    assert ("invariant", "old") in kinds and ("invariant", "new") in kinds
+    f = next(f for f in rep.findings if f.kind == "invariant")
+    assert "GPU blocks still referenced" in f.detail
+    assert f.path is not None and f.path.is_file()
+    # the written run/1 file replays the failure with `kvsim run` (exit 1)
+    assert main(["run", str(f.path), "--out", str(tmp_path / "replay"), "-q"]) == 1
+    capsys.readouterr()
+
+
+def test_run_fuzzer_finds_a_skipped_store_copy(tmp_path: Path, monkeypatch):
+    pytest.importorskip("torch")
+    from sim.engine.copypath import CopyPath
+
+    monkeypatch.setattr(CopyPath, "store", lambda self, *a, **k: 0.0)
+    rep = fuzz_runs(8, 4, copy_path=True, out=tmp_path, jobs=1)
+    hits = [f for f in rep.findings if f.kind == "integrity"]
+    assert hits and {f.logic for f in hits} == {"new"}
+    assert hits[0].data["copy_path"]["enabled"] is True
+
+
+def test_run_fuzzer_is_clean_with_the_copy_path():
+    pytest.importorskip("torch")
+    rep = fuzz_runs(8, 4, copy_path=True, jobs=1)
+    assert rep.findings == []
+    assert rep.coverage["new:load_jobs"]
+
+
+@pytest.mark.parametrize(("seed", "run"), [(5, 3), (3, 2), (1, 6)])
+def test_fixed_engine_livelock_of_preempted_loaded_requests(seed: int, run: int):
+    """Regression (found by `kvsim fuzz --runs 40 --seed 5`): the deadlock
+    breaker no longer preempts a request whose load is in flight or was just
+    issued, so loaded requests are not reloaded and preempted forever."""
+    data = fuzz.run_config(fuzz._rng_for(seed, run))
+    data["output"]["max_sim_time_s"] = 20.0
+    for logic in ("new", "old"):
+        assert fuzz._check_run(data, logic, False)[0] is None
+
+
+# -- parallel regress ----------------------------------------------------------------------------
+
+
+def test_parallel_regress_equals_sequential_and_recurses(tmp_path: Path):
+    lib = tmp_path / "lib"
+    shutil.copytree(CRASH, lib)
+    fuzz_decisions(1500, 1, out=lib / "fuzz", jobs=1)
+    nested = sorted((lib / "fuzz").glob("*.toml"))
+    assert nested
+    broken = lib / "fuzz" / "zz-broken.toml"
+    broken.write_text(nested[0].read_text().replace('crash = "', 'crash = "x', 1))
+    seq = run_library(lib, jobs=1)
+    par = run_library(lib, jobs=2)
+    assert [r.path for r in seq] == [r.path for r in par] == sorted(lib.rglob("*.toml"))
+    for a, b in zip(seq, par, strict=True):
+        assert (a.outcomes, a.mismatches, a.error) == (b.outcomes, b.mismatches, b.error)
+    assert sum(not r.ok for r in par) == 1
+
+
+def test_regress_jobs_option_keeps_table_and_exit_codes(tmp_path: Path, capsys):
+    assert main(["regress", str(CRASH), "--jobs", "1"]) == 0
+    one = capsys.readouterr().out
+    assert main(["regress", str(CRASH), "--jobs", "2"]) == 0
+    assert capsys.readouterr().out == one
+    assert main(["regress", str(CRASH), "--jobs", "0"]) == 2
+
+
+def test_fuzz_cli_rejects_bad_arguments(capsys):
+    assert main(["fuzz", "--budget", "10", "--logic-pair", "old,latest"]) == 2
+    assert main(["fuzz", "--budget", "0"]) == 2
+    assert main(["fuzz", "--runs", "1", "--jobs", "0"]) == 2
+    capsys.readouterr()
+
+
+def test_condition_names_are_words_and_slugs_are_file_names():
+    c = Condition("old", "hit+double_load", "new", "defer", "", "chunked_local", True, True, False, True)
+    assert c.words() == ("unaligned chunked-local hit (EAGLE, attention chunk not a multiple of the chunk): "
+                         "OLD a hit with double_load, NEW None (deferred)")
+    assert c.slug() == "old-hit-double_load--new-defer--cla-unaligned-eagle-misfit"
+    d = dataclasses.replace(c, a="crash:missing_chunk", b="hit", relation="smaller", kind="")
+    assert "NEW a smaller hit" in d.words()
+    assert d.slug().startswith("old-crash-missing_chunk--new-hit-smaller")
