@@ -21,13 +21,19 @@ The target of the engine issue is >= 6,000 simulated requests per second and
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sim.engine.loop import simulate
+from sim.engine.metrics import Recorder
+from sim.io.scenario import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -64,10 +70,6 @@ class _Discard:
 
 def child(case: str, limit: int | None, profile: bool) -> None:
     """Run one case in this process and print one JSON line of figures."""
-    from sim.engine.loop import simulate
-    from sim.engine.metrics import Recorder
-    from sim.io.scenario import load_run
-
     spec = CASES[case]
     sets = list(spec["set"])
     if limit:
@@ -76,9 +78,6 @@ def child(case: str, limit: int | None, profile: bool) -> None:
     cfg = run.engine_config()
     t0 = time.perf_counter()
     if profile:
-        import cProfile
-        import pstats
-
         prof = cProfile.Profile()
         res = prof.runcall(simulate, cfg, run.requests(), Recorder(_Discard()))
         wall = time.perf_counter() - t0

@@ -12,12 +12,36 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
+
+from tqdm import tqdm
 
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
+from sim.io.results import RunWriter, summary_table, write_text_atomic
+from sim.io.scenario import load_run, parse_size
+from sim.io.traces import (
+    FORMATS,
+    KNOWN_TRACES,
+    MOONCAKE_BLOCK_TOKENS,
+    WRITABLE_FORMATS,
+    BadLines,
+    convert_trace,
+    fetch_trace,
+    format_stats,
+    trace_stats,
+)
+from sim.io.validate import validate_file
+from sim.tools.compare import compare_runs, compare_table
+from sim.tools.fuzz import COVERAGE, fuzz_decisions, fuzz_runs
+from sim.tools.plots import write_plots
+from sim.tools.regress import library_table, run_library, write_junit
+from sim.tools.replay import replay_check
+from sim.tools.run import execute
+from sim.tools.sweep import import_ray, read_sweep, run_sweep, sweep_table
 
 __all__ = ["main"]
 
@@ -66,8 +90,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
     """``check --copy-path``: the scenario replayed as a run with real copies,
     under NEW, OLD, and OLD with assertions stripped (``python -O``)."""
-    from sim.tools.replay import replay_check
-
     out = {"new": replay_check(sc, "new", source=source),
            "old": replay_check(sc, "old", source=source),
            "old-O": replay_check(sc, "old", assertions=False, source=source)}
@@ -83,8 +105,6 @@ def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
 
 
 def _cmd_regress(args: argparse.Namespace) -> int:
-    from sim.tools.regress import format_table, run_library, write_junit
-
     root = Path(args.dir)
     if not root.is_dir():
         raise InputError(str(root), "", "not a directory", "a folder of check/1 TOML files")
@@ -93,7 +113,7 @@ def _cmd_regress(args: argparse.Namespace) -> int:
     results = run_library(root, jobs=args.jobs)
     if not results:
         raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
-    print(format_table(results, root))
+    print(library_table(results, root))
     if args.junit:
         write_junit(results, Path(args.junit))
     return 0 if all(r.ok for r in results) else 1
@@ -130,19 +150,12 @@ def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import traceback
-
-    from sim.io.results import RunWriter, execute, summary_table
-    from sim.io.scenario import load_run
-
     spec = load_run(Path(args.scenario), args.overrides or [])
     target = Path(args.out) if args.out else Path("results") / spec.name
     writer = RunWriter(target, overwrite=args.overwrite)
     quiet = args.quiet or not sys.stderr.isatty()
     bar = None
     if not quiet:
-        from tqdm import tqdm
-
         bar = tqdm(total=spec.expected_requests, unit="req", desc=spec.name, file=sys.stderr,
                    dynamic_ncols=True)
 
@@ -164,21 +177,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(summary_table(outcome.summary, outcome.folder))
     if args.plots:
-        from sim.tools.plots import write_plots
-
         for path in write_plots(outcome.folder):
             print(f"plot: {path}")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from sim.tools.compare import compare_runs, format_table
-
     quiet = args.quiet or not sys.stderr.isatty()
     result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
                           progress=not quiet, overwrite=args.overwrite,
                           verify_reproducers=args.verify_reproducers, argv=sys.argv)
-    print(format_table(result.figures, result.path))
+    print(compare_table(result.figures, result.path))
     if result.status != "ok":
         for logic, tb in result.errors.items():
             print(f"kvsim: the {logic.upper()} run failed:", file=sys.stderr)
@@ -189,8 +198,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from sim.io.scenario import validate_file
-
     code = 0
     for name in args.files:
         try:
@@ -202,10 +209,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from sim.io.scenario import parse_size
-
     try:
-        from sim.engine import copypath
+        from sim.engine import copypath  # noqa: PLC0415 -- torch is an optional extra
     except ImportError as exc:  # torch is an optional extra
         if (exc.name or "").partition(".")[0] != "torch":
             raise
@@ -230,16 +235,289 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError("calibrate", "", str(exc)) from None
     snippet = copypath.hardware_snippet(result)
-    print(copypath.format_table(result))
+    print(copypath.calibration_table(result))
     print()
     print(snippet, end="")
     if args.out:
         try:
-            copypath.write_text_atomic(Path(args.out), snippet)
+            write_text_atomic(Path(args.out), snippet)
         except OSError as exc:
             raise InputError("argument", "--out", f"{args.out!r}: {exc.strerror}",
                              "a writable file path") from None
         print(f"kvsim: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+# -- kvsim trace ---------------------------------------------------------------
+
+
+def _block_tokens_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _report_bad(bad: BadLines) -> None:
+    if bad.count:
+        shown = "; ".join(bad.examples) + ("; ..." if bad.count > len(bad.examples) else "")
+        print(f"kvsim: skipped {bad.count} bad line(s): {shown}", file=sys.stderr)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    stats = trace_stats(args.file, args.format, skip_bad=args.skip_bad, block_tokens=args.block_tokens)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    path, downloaded = fetch_trace(args.name, args.cache_dir, url=args.url, force=args.force)
+    if not downloaded:
+        print(f"kvsim: {args.name}: already cached (digest verified)", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    bad = BadLines()
+    n, size = convert_trace(args.src, args.dst, args.src_format, args.dst_format, skip_bad=args.skip_bad,
+                            bad=bad, block_tokens=args.block_tokens, overwrite=args.force)
+    _report_bad(bad)
+    print(f"wrote {n:,} records to {args.dst}")
+    if size is not None and size != MOONCAKE_BLOCK_TOKENS:
+        print(f"kvsim: note: {args.dst} uses {size}-token blocks; read it with --block-tokens {size}",
+              file=sys.stderr)
+    return 0
+
+
+def add_trace_parser(sub: Any) -> None:
+    """Register ``kvsim trace {stats,fetch,convert}`` on the top-level subparsers."""
+    p = sub.add_parser("trace", help="request traces: statistics, download, conversion")
+    tsub = p.add_subparsers(dest="trace_command", required=True)
+
+    s = tsub.add_parser("stats", help="request count, rate, length percentiles, prefix reuse")
+    s.add_argument("file", help="trace file (Mooncake JSONL, Azure CSV, kvsim CSV or Parquet)")
+    s.add_argument("--format", choices=FORMATS, help="input format (default: from the name and first line)")
+    s.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    s.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
+    s.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
+                   help="tokens per hash id (Mooncake: 512; kvsim CSV/Parquet: where the column is empty)")
+    s.set_defaults(func=_cmd_stats)
+
+    f = tsub.add_parser("fetch", help="download a published trace into the cache folder")
+    f.add_argument("name", choices=list(KNOWN_TRACES), metavar="NAME",
+                   help="one of: " + ", ".join(KNOWN_TRACES))
+    f.add_argument("--cache-dir", metavar="DIR",
+                   help="where to put it (default: $KVSIM_CACHE, else ~/.cache/kvsim/traces)")
+    f.add_argument("--url", help="download from this URL instead (a mirror); digests are still checked")
+    f.add_argument("--force", action="store_true", help="download again even if a cached copy exists")
+    f.set_defaults(func=_cmd_fetch)
+
+    c = tsub.add_parser("convert", help="rewrite a trace as Mooncake JSONL, kvsim CSV or kvsim Parquet")
+    c.add_argument("src", metavar="IN", help="input trace")
+    c.add_argument("dst", metavar="OUT", help="output file (written atomically)")
+    c.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: detected)")
+    c.add_argument("--to", dest="dst_format", choices=WRITABLE_FORMATS,
+                   help="output format (default: from OUT's suffix)")
+    c.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
+    c.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
+                   help="tokens per hash id of the input (Mooncake: 512; kvsim CSV/Parquet: where empty)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.set_defaults(func=_cmd_convert)
+
+
+# -- kvsim fuzz ----------------------------------------------------------------
+
+
+def add_fuzz_parser(sub: Any) -> None:
+    """``kvsim fuzz``: the decision fuzzer (``--budget``) or the run fuzzer (``--runs``)."""
+    p = sub.add_parser("fuzz", help="search random check scenarios (--budget) or random runs (--runs)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--budget", type=int, metavar="N", help="check scenarios to search (OLD vs NEW)")
+    mode.add_argument("--runs", type=int, metavar="N",
+                      help="random whole runs to simulate (OLD and NEW each)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
+    p.add_argument("--logic-pair", default="old,new", metavar="A,B", help="logics compared (default old,new)")
+    p.add_argument("--out", metavar="DIR",
+                   help="where new cases go (default scenarios/crash/fuzz; --runs: results/fuzz-runs)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
+                   help="worker processes (default: CPU count)")
+    p.add_argument("--copy-path", action="store_true", help="--runs: real tensor copies, integrity under NEW")
+    p.add_argument("--verify-every", type=int, default=4096, metavar="K",
+                   help="cross-check every K-th scenario against run_check (0: never)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_fuzz)
+
+
+def _bar(total: int, unit: str, quiet: bool) -> Any:
+    if quiet or not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, desc="fuzz")
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    """Exit 0 when the search ran (findings are its output); 1 when it found
+    a simulator bug (an exception, a fast-path divergence, a violated
+    invariant) or, with --runs --copy-path, an integrity violation under NEW."""
+    if args.jobs < 1:
+        raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
+    if args.seed < 0:
+        raise InputError("argument", "--seed", f"{args.seed}", "an integer >= 0")
+    command = "kvsim fuzz " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["fuzz"] else ""
+    if args.runs is not None:
+        return _cmd_runs(args, command)
+    pair = tuple(x.strip() for x in args.logic_pair.split(","))
+    if len(pair) != 2 or any(x not in ("old", "new") for x in pair):
+        raise InputError("argument", "--logic-pair", f"{args.logic_pair!r}", "two of old,new, e.g. old,new")
+    if args.budget < 1:
+        raise InputError("argument", "--budget", f"{args.budget}", "an integer >= 1")
+    out = Path(args.out or "scenarios/crash/fuzz")
+    bar = _bar(args.budget, "scn", args.quiet)
+    try:
+        logics = cast("tuple[Literal['old', 'new'], ...]", pair)
+        rep = fuzz_decisions(args.budget, args.seed, logics=logics, out=out,
+                             jobs=args.jobs, verify_every=args.verify_every,
+                             progress=bar.update if bar is not None else None, command=command)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(rep.table())
+    print()
+    written = sum(c.status == "written" for c in rep.conditions)
+    print(f"kvsim fuzz: {rep.scanned} scenarios in {rep.search_s:.2f} s wall with {rep.jobs} jobs: "
+          f"{rep.rate:,.0f} scenarios/s wall ({rep.cpu_rate:,.0f} per CPU second of one process); "
+          f"{rep.findings} findings in {len(rep.conditions)} conditions")
+    print(f"kvsim fuzz: files: {written} written, "
+          f"{sum(c.status == 'unchanged' for c in rep.conditions)} unchanged, "
+          f"{sum(c.status == 'kept existing' for c in rep.conditions)} kept existing, in {out}; "
+          f"{rep.wall_s:.2f} s in all (shrinking and verification included)")
+    for index, what in rep.divergences:
+        print(f"kvsim fuzz: FAST PATH DIVERGENCE at index {index}: {what}", file=sys.stderr)
+    bugs = rep.simulator_bugs
+    for c in bugs:
+        print(f"kvsim fuzz: SIMULATOR BUG {c.condition.words()} (index {c.first_index}): {c.path}",
+              file=sys.stderr)
+    return 1 if bugs or rep.divergences else 0
+
+
+def _cmd_runs(args: argparse.Namespace, command: str) -> int:
+    if args.runs < 1:
+        raise InputError("argument", "--runs", f"{args.runs}", "an integer >= 1")
+    if args.copy_path:
+        try:
+            import torch  # noqa: F401, PLC0415 -- only checks that the optional extra is there
+        except ImportError:
+            raise InputError("fuzz", "--copy-path", "torch is not installed", "pip install 'kvsim[torch]'") \
+                from None
+    out = Path(args.out or "results/fuzz-runs")
+    bar = _bar(args.runs, "run", args.quiet)
+    try:
+        rep = fuzz_runs(args.runs, args.seed, copy_path=args.copy_path, out=out, jobs=args.jobs,
+                        progress=bar.update if bar is not None else None, command=command)
+    finally:
+        if bar is not None:
+            bar.close()
+    for f in rep.findings:
+        print(f"{f.kind:10s} {f.logic.upper():4s} x{f.count:<4d} run {f.index}: {f.detail[:160]}  "
+              f"-> {f.path} ({f.status})")
+    cov = ", ".join(f"{name} {rep.coverage.get(f'old:{name}', 0)}/{rep.coverage.get(f'new:{name}', 0)}"
+                    for name in COVERAGE)
+    print(f"kvsim fuzz: simulations (OLD/NEW) with {cov}")
+    print(f"kvsim fuzz: {rep.runs} runs ({rep.simulations} simulations, OLD and NEW) in {rep.wall_s:.2f} s "
+          f"wall: {rep.rate:.1f} runs/s; {len(rep.findings)} distinct findings")
+    return 1 if rep.findings else 0
+
+
+# -- kvsim plot ----------------------------------------------------------------
+
+
+
+def add_plot_parser(sub: Any) -> None:
+    """``kvsim plot RESULTS_DIR [--out DIR]``."""
+    p = sub.add_parser("plot", help="write the PNG figures of a run, compare or sweep folder")
+    p.add_argument("results_dir", metavar="RESULTS_DIR",
+                   help="a folder written by kvsim run, kvsim compare or kvsim sweep")
+    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RESULTS_DIR/plots)")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Write the figures and print their paths, one per line (exit 2 on a folder of no known kind)."""
+    folder = Path(args.results_dir)
+    if not folder.is_dir():
+        raise InputError(str(folder), "", "not a directory",
+                         "a folder written by kvsim run, kvsim compare or kvsim sweep")
+    for path in write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr)):
+        print(path)
+    return 0
+
+
+# -- kvsim sweep ---------------------------------------------------------------
+
+
+
+def add_sweep_parser(sub: Any) -> None:
+    """``kvsim sweep FILE``: run a sweep/1 file."""
+    p = sub.add_parser("sweep", help="run a sweep (sweep/1 file): many runs, resumable, one table")
+    p.add_argument("file", metavar="FILE", help="sweep/1 TOML")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="points in parallel (default: CPU count; with Ray: as the cluster allows)")
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local processes (default) or Ray tasks")
+    p.add_argument("--address", metavar="ADDR", help="join this Ray cluster (with --backend ray)")
+    p.add_argument("--out", metavar="DIR", help="the sweep folder (default: results/<name>, --smoke: "
+                   "results/<name>-smoke)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace point folders that no longer match the sweep")
+    p.add_argument("--smoke", action="store_true", help="the [smoke] version: few points, small runs")
+    add_override_options(p, "a key of the base scenario", seed=False)
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Exit 0 when every point ran ok, 1 when a point failed, 130 on Ctrl-C (143 on SIGTERM)."""
+    if args.jobs is not None and args.jobs < 1:
+        raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
+    if args.address is not None and args.backend != "ray":
+        raise InputError("argument", "--address", "only with --backend ray", "--backend ray --address ADDR")
+    if args.backend == "ray":
+        import_ray()
+    sweep = read_sweep(Path(args.file), args.overrides or [], smoke=args.smoke)
+    out = Path(args.out) if args.out else Path("results") / (sweep.name + ("-smoke" if args.smoke else ""))
+    quiet = args.quiet or not sys.stderr.isatty()
+    bar: Any = None
+
+    def on_start(skipped: int, todo: int) -> None:
+        nonlocal bar
+        where = f"Ray{' at ' + args.address if args.address else ''}" if args.backend == "ray" else "local"
+        print(f"kvsim sweep: {len(sweep.points)} points{' (smoke)' if sweep.smoke else ''}: "
+              f"{skipped} skipped (finished earlier), {todo} to run ({where}) -> {out}", file=sys.stderr)
+        if not quiet and todo:
+            bar = tqdm(total=todo, unit="pt", desc=sweep.name, file=sys.stderr, dynamic_ncols=True)
+
+    def progress(n: int, total: int) -> None:
+        if bar is not None:
+            bar.update(n - bar.n)
+
+    try:
+        report = run_sweep(sweep, out, jobs=args.jobs, backend=args.backend, address=args.address,
+                           overwrite=args.overwrite, progress=progress, on_start=on_start, argv=sys.argv)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(sweep_table(sweep, report))
+    if report.interrupted is not None:
+        print(f"kvsim sweep: interrupted; {len(report.summaries)} of {len(sweep.points)} points in "
+              f"{report.out / 'sweep.parquet'}; run the same command again to finish", file=sys.stderr)
+        return 128 + int(report.interrupted)
+    if report.failed:
+        print(f"kvsim sweep: {len(report.failed)} point(s) failed: {', '.join(report.failed[:5])}"
+              f"{' ...' if len(report.failed) > 5 else ''}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -299,19 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE")
     p.set_defaults(func=_cmd_calibrate)
 
-    from sim.io.traces import add_trace_parser
-
     add_trace_parser(sub)  # kvsim trace stats | fetch | convert
-
-    from sim.tools.fuzz import add_fuzz_parser
 
     add_fuzz_parser(sub)  # kvsim fuzz --budget N | --runs N
 
-    from sim.tools.sweep import add_sweep_parser
-
     add_sweep_parser(sub)  # kvsim sweep FILE [--jobs N] [--backend local|ray]
-
-    from sim.tools.plots import add_plot_parser
 
     add_plot_parser(sub)  # kvsim plot RESULTS_DIR [--out DIR]
     return parser

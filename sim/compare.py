@@ -4,6 +4,9 @@
 entry points of earlier releases; they keep working through this module.
 """
 
-from sim.tools.compare import compare_runs, format_table, load_compare
+from sim.tools.compare import compare_runs, compare_table, load_compare
 
-__all__ = ["compare_runs", "format_table", "load_compare"]
+#: the name of earlier releases
+format_table = compare_table
+
+__all__ = ["compare_runs", "compare_table", "format_table", "load_compare"]

@@ -93,12 +93,11 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from sim.model.layout import Layout, cdiv
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 
 __all__ = [
     "FP_WORDS",
@@ -106,10 +105,9 @@ __all__ = [
     "CopyPathError",
     "Violation",
     "calibrate",
+    "calibration_table",
     "fingerprints",
-    "format_table",
     "hardware_snippet",
-    "write_text_atomic",
 ]
 
 #: int64 words per token in fingerprint mode (word 0 holds the fingerprint)
@@ -906,8 +904,6 @@ def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_B
     Raises:
         ValueError: bad argument, unknown or unavailable device, or not enough memory.
     """
-    from sim.model.layout import GroupKind, GroupSpec
-
     if repeats < 1:
         raise ValueError(f"repeats {repeats}; allowed: >= 1")
     if not chunk_bytes or not batch_sizes or min(chunk_bytes) < 1 or min(batch_sizes) < 1:
@@ -970,7 +966,7 @@ def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_B
     return out
 
 
-def format_table(result: dict[str, Any]) -> str:
+def calibration_table(result: dict[str, Any]) -> str:
     """The rows of :func:`calibrate` as a fixed-width table."""
     lines = [f"kvsim calibrate: {result['device']} ({result['device_name']}), torch {result['torch']}, "
              f"median of {result['repeats']}",
@@ -1023,10 +1019,3 @@ def hardware_snippet(result: dict[str, Any]) -> str:
         f"d2h_latency_s = {lat(result['d2h_latency_s'])}",
         "",
     ])
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary file beside ``path`` and a rename."""
-    from sim.io.results import write_text_atomic as write
-
-    write(path, text)

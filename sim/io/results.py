@@ -35,30 +35,30 @@ Invariants
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from sim.engine.metrics import TABLES
 from sim.errors import InputError
+from sim.io.scenario import human_bytes
 
 if TYPE_CHECKING:
-    from sim.io.scenario import RunSpec
-    from sim.io.workload import Request
+    pass
 
 __all__ = [
     "ParquetSink",
-    "RunOutcome",
     "RunResults",
     "RunWriter",
     "arrow_schema",
-    "execute",
     "load_results",
     "summary_table",
     "write_json_atomic",
@@ -77,8 +77,6 @@ _WRITER_OPTIONS: dict[str, Any] = {"compression": "zstd", "compression_level": 3
 
 def arrow_schema(table: str) -> Any:
     """The Arrow schema of one table of :data:`~sim.engine.metrics.TABLES`."""
-    import pyarrow as pa
-
     fields = []
     for name, kind in TABLES[table]:
         type_name, nullable = _TYPES[kind]
@@ -101,16 +99,12 @@ class ParquetSink:
     def _writer(self, table: str) -> Any:
         w = self._writers.get(table)
         if w is None:
-            import pyarrow.parquet as pq
-
             w = pq.ParquetWriter(self.folder / f"{table}.parquet", arrow_schema(table), **_WRITER_OPTIONS)
             self._writers[table] = w
         return w
 
     def write(self, table: str, columns: dict[str, list[Any]]) -> None:
         """Append one batch of rows (one row group)."""
-        import pyarrow as pa
-
         if self._closed:
             raise RuntimeError("ParquetSink is closed")
         schema = arrow_schema(table)
@@ -166,14 +160,14 @@ def move_into_place(tmp: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _clean_floats(data: Any) -> Any:
+def clean_floats(data: Any) -> Any:
     """NaN and infinities as None (strict JSON)."""
     if isinstance(data, float) and not math.isfinite(data):
         return None
     if isinstance(data, dict):
-        return {str(k): _clean_floats(v) for k, v in data.items()}
+        return {str(k): clean_floats(v) for k, v in data.items()}
     if isinstance(data, list | tuple):
-        return [_clean_floats(v) for v in data]
+        return [clean_floats(v) for v in data]
     return data
 
 
@@ -225,8 +219,8 @@ class RunWriter:
         if not self.folder.is_dir():
             self.start()
         write_text_atomic(self.folder / "scenario.toml", scenario_toml)
-        write_json_atomic(self.folder / "run_info.json", _clean_floats(run_info))
-        write_json_atomic(self.folder / "summary.json", _clean_floats({**summary, "status": status}))
+        write_json_atomic(self.folder / "run_info.json", clean_floats(run_info))
+        write_json_atomic(self.folder / "summary.json", clean_floats({**summary, "status": status}))
         move_into_place(self.folder, self.target)
         self._done = True
         return self.target
@@ -270,9 +264,6 @@ def load_results(path: str | Path) -> RunResults:
     Raises:
         InputError: ``path`` is not a run folder (no ``summary.json``).
     """
-    import tomllib
-
-    import pyarrow.parquet as pq
 
     folder = Path(path)
     if not (folder / "summary.json").is_file():
@@ -291,196 +282,6 @@ def load_results(path: str | Path) -> RunResults:
     info_file = folder / "run_info.json"
     run_info = json.loads(info_file.read_text(encoding="utf-8")) if info_file.is_file() else {}
     return RunResults(path=folder, summary=summary, scenario=scenario, run_info=run_info, **frames)
-
-
-# -- one run, start to finish ------------------------------------------------------------
-
-
-@dataclass
-class RunOutcome:
-    """What :func:`execute` did.
-
-    Attributes:
-        status: ``"ok"`` or ``"failed"`` (as in ``summary.json``).
-        folder: the run folder.
-        summary: the contents of ``summary.json``.
-        error: the exception of a failed run.
-    """
-
-    status: str
-    folder: Path
-    summary: dict[str, Any]
-    error: BaseException | None = None
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("kvsim", "simpy", "pydantic", "pandas", "pyarrow", "numpy", "tqdm", "tomli-w"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def _run_info(started: float, wall_s: float, argv: Sequence[str], finished: int) -> dict[str, Any]:
-    import datetime
-    import platform
-    import sys
-
-    return {
-        "started_utc": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
-        "wall_clock_s": wall_s,
-        "requests_per_wall_s": finished / wall_s if wall_s > 0 else None,
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "versions": _versions(),
-        "argv": list(argv),
-        "pid": os.getpid(),
-    }
-
-
-def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float], None] | None = None,
-            argv: Sequence[str] = ()) -> RunOutcome:
-    """Run a scenario and write its folder: resolve -> build -> simulate -> finalize.
-
-    The engine's rows stream into the temporary folder; at the end the
-    summary files are written and the folder is renamed onto the target. If
-    the simulation raises, the folder still gets ``summary.json`` with status
-    ``"failed"`` and the error message (and ``KeyboardInterrupt`` and the like
-    are re-raised after that). Bad input found while running (a bad trace
-    line: :class:`InputError`) leaves nothing behind and is re-raised.
-
-    Args:
-        spec: the validated scenario.
-        writer: the folder writer (its target already checked).
-        progress: called with (requests finished, simulated seconds).
-        argv: the command line, for ``run_info.json``.
-    """
-    import time
-    import traceback
-
-    from sim.engine.loop import simulate
-    from sim.engine.metrics import Recorder
-
-    scenario_toml = spec.resolved_toml()
-    config = spec.engine_config()
-    requests = _Guarded(spec.requests())
-    header = {"name": spec.name, "seed": spec.scenario.seed, "window_logic": spec.scenario.window_logic}
-    last = {"requests_finished": 0, "sim_time_s": 0.0}
-
-    def on_progress(finished: int, sim_time_s: float) -> None:
-        last["requests_finished"] = finished
-        last["sim_time_s"] = sim_time_s
-        if progress is not None:
-            progress(finished, sim_time_s)
-
-    started, t0 = time.time(), time.perf_counter()
-    folder = writer.start()
-    sink = ParquetSink(folder)
-    try:
-        result = simulate(config, requests, Recorder(sink), progress=on_progress)
-        sink.close()
-    except BaseException as exc:
-        bad_input = exc if isinstance(exc, InputError) else requests.error
-        if bad_input is not None:  # a bad trace line: bad input, nothing is left behind
-            _close_quietly(sink)
-            writer.abort()
-            raise bad_input from None
-        _close_quietly(sink)
-        summary = {"run": header, "error": traceback.format_exception_only(exc)[-1].strip(),
-                   "progress": dict(last)}
-        info = _run_info(started, time.perf_counter() - t0, argv, int(last["requests_finished"]))
-        target = writer.finish("failed", summary, scenario_toml, info)
-        if not isinstance(exc, Exception):
-            raise
-        return RunOutcome("failed", target, {**summary, "status": "failed"}, exc)
-    figures = result.summary.figures()
-    summary = {"run": header, "end": result.status, **figures}
-    if result.reproducers:
-        summary["reproducers"] = write_reproducers(folder / "reproducers", result.reproducers)
-    bad = spec.bad_lines
-    if bad is not None:   # workload.skip_bad: never silently dropped
-        summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
-    info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
-    target = writer.finish("ok", summary, scenario_toml, info)
-    return RunOutcome("ok", target, {**_clean_floats(summary), "status": "ok"})
-
-
-def write_reproducers(folder: Path, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Write each modelled crash or hazard as a ``check/1`` file.
-
-    The expectations are what the model gives for the case in isolation
-    (``sim.io.check.run_check`` under both logics); ``reproduced`` says whether
-    the run's own logic gives the outcome the run recorded. (A hazard seen
-    with assertions stripped is a crash in a check, which keeps assertions.)
-    """
-    import tomli_w
-
-    from sim.io.check import parse_check, run_check
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written, reproduced = [], 0
-    for n, item in enumerate(items):
-        case = dict(item["case"])
-        sc = parse_check(case, f"reproducer {n}")
-        expect: dict[str, Any] = {}
-        for logic in ("old", "new"):
-            out = run_check(sc, logic)
-            e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
-                                 "hazards": sorted({h[0] if isinstance(h, list) else h["kind"]
-                                                    for h in out["hazards"]})}
-            if out["external_tokens"] is None:
-                e["deferred"] = True
-            else:
-                e["external_tokens"] = out["external_tokens"]
-            expect[logic] = e
-        mine = expect[item["logic"]]
-        ok = (mine["crash"] == item["detail"]) if item["kind"] == "crash" else (
-            item["detail"] in mine["hazards"])
-        reproduced += ok
-        case["expect"] = expect
-        name = f"{n:03d}-{item['req_id']}-{item['detail']}.toml"
-        head = (f"# reproducer: {item['kind']} {item['detail']} of request {item['req_id']} at "
-                f"t = {item['t_s']:.6f} s ({item['logic'].upper()} logic) in this run\n"
-                f"# the states of the request's chunks it met, as a check/1 case: kvsim check {name}\n"
-                f"# reproduced in isolation: {'yes' if ok else 'no'}\n")
-        (folder / name).write_text(head + tomli_w.dumps(case))
-        written.append(name)
-    return {"files": written, "reproduced": reproduced, "count": len(items)}
-
-
-class _Guarded:
-    """Wraps the request stream and keeps the :class:`InputError` it raises.
-
-    The engine consumes the stream inside a SimPy process, and SimPy re-raises
-    a process's exception by re-instantiating it from its ``args``; the
-    original error is kept here so that it is reported as bad input (exit 2)
-    whatever happens to it on the way out.
-    """
-
-    def __init__(self, requests: Iterator[Request]) -> None:
-        self._it = requests
-        self.error: InputError | None = None
-
-    def __iter__(self) -> _Guarded:
-        return self
-
-    def __next__(self) -> Request:
-        try:
-            return next(self._it)
-        except InputError as exc:
-            self.error = exc
-            raise
-
-
-def _close_quietly(sink: ParquetSink) -> None:
-    """Close after a failure; the run's own error is the one to report."""
-    with contextlib.suppress(Exception):
-        sink.close()
 
 
 # -- the printed summary -----------------------------------------------------------------
@@ -502,8 +303,6 @@ def _ms(value: Any) -> str:
 
 def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> str:
     """The figures of ``summary.json`` as plain aligned text."""
-    from sim.io.scenario import human_bytes
-
     if summary.get("status") == "failed":
         rows = [("status", "FAILED"), ("error", str(summary.get("error")))]
     else:

@@ -81,12 +81,14 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import tomli_w
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -98,7 +100,33 @@ from pydantic import (
     model_validator,
 )
 
+from sim.engine.loop import CopyPathConfig, EngineConfig
 from sim.errors import InputError
+from sim.io.traces import BadLines, detect_format
+from sim.io.workload import (
+    AGENTIC,
+    MultiTurnParams,
+    UniformParams,
+    iter_mooncake,
+    iter_multiturn,
+    iter_trace,
+    iter_uniform,
+    sample,
+    scale_rate,
+    take,
+    validate_params,
+    validate_uniform,
+)
+from sim.model.costs import (
+    GPU_PROFILES,
+    MODEL_COST_PROFILES,
+    ZERO_STEP,
+    ZERO_TRANSFER,
+    StepCostModel,
+    TransferModel,
+    step_model_for,
+)
+from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
 from sim.model.layout import DTYPE_BYTES, GroupKind, GroupSpec, KVShape, Layout, LayoutError
 
 if TYPE_CHECKING:
@@ -115,7 +143,6 @@ __all__ = [
     "parse_bandwidth",
     "parse_size",
     "scenarios_dir",
-    "validate_file",
 ]
 
 SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
@@ -627,7 +654,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise _toml_error(source, exc) from None
 
 
-def _check_schema(data: dict[str, Any], source: str, want: str) -> None:
+def check_schema(data: dict[str, Any], source: str, want: str) -> None:
     got = data.get("schema")
     if got != want:
         problem = "missing" if got is None else f"{got!r} is not {want!r}"
@@ -746,7 +773,7 @@ def load_model_file(path: Path) -> ModelFile:
     """Read and validate a ``model/1`` file (layout checked with its own block sizes)."""
     source = str(path)
     data = read_toml(path)
-    _check_schema(data, source, "model/1")
+    check_schema(data, source, "model/1")
     mf = _validate(ModelFile, data, source)
     tph = math.gcd(*(g.tokens_per_block for g in mf.groups))
     _layout(mf.groups, tph, 1, 1, source, "")
@@ -759,9 +786,8 @@ def load_hardware_file(path: Path) -> HardwareFile:
     """Read and validate a ``hardware/1`` file."""
     source = str(path)
     data = read_toml(path)
-    _check_schema(data, source, "hardware/1")
+    check_schema(data, source, "hardware/1")
     hw = _validate(HardwareFile, data, source)
-    from sim.model.costs import GPU_PROFILES
 
     if hw.gpu not in GPU_PROFILES:
         raise InputError(source, "gpu", f"{hw.gpu!r} is not a known GPU profile", ", ".join(GPU_PROFILES))
@@ -769,8 +795,6 @@ def load_hardware_file(path: Path) -> HardwareFile:
 
 
 def _check_cost_profile(name: str, source: str, key: str) -> None:
-    from sim.model.costs import MODEL_COST_PROFILES
-
     if name not in MODEL_COST_PROFILES:
         raise InputError(source, key, f"{name!r} is not a known model cost profile",
                          ", ".join(MODEL_COST_PROFILES))
@@ -833,7 +857,7 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         d2h_latency_s=pick(sec.d2h_latency_s, hw.d2h_latency_s))
 
 
-def _group_spec(g: ModelGroup, tp: int) -> GroupSpec:
+def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
     heads = 1 if g.mla else max(1, g.kv_heads // tp)
     shape = KVShape(g.layers, heads, g.head_size, DTYPE_BYTES[g.dtype], g.mla)
     return GroupSpec(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
@@ -843,7 +867,7 @@ def _group_spec(g: ModelGroup, tp: int) -> GroupSpec:
 def _layout(groups: Sequence[ModelGroup], tph: int, bpc: int, tp: int, source: str, prefix: str,
             run_source: str | None = None) -> Layout:
     try:
-        return Layout.of([_group_spec(g, tp) for g in groups], tph, bpc)
+        return Layout.of([group_spec(g, tp) for g in groups], tph, bpc)
     except LayoutError as exc:
         if exc.key in ("tokens_per_hash", "blocks_per_chunk"):
             raise InputError(run_source or source, f"scheduler.{exc.key}", exc.problem, exc.allowed) from None
@@ -922,8 +946,6 @@ class RunSpec:
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration."""
-        from sim.engine.loop import CopyPathConfig, EngineConfig
-
         sc = self.scenario
         s = sc.scheduler
         cp = sc.copy_path
@@ -947,8 +969,6 @@ class RunSpec:
 
     def uniform_params(self) -> dict[str, Any]:
         """The uniform generator's parameters, defaults filled in (uniform only)."""
-        from sim.io.workload import UniformParams
-
         wl = self.scenario.workload
         assert isinstance(wl, UniformWorkload)
         return dataclasses.asdict(UniformParams(**_given_params(wl)))
@@ -959,17 +979,6 @@ class RunSpec:
         Order of the transforms: the source (with ``time_scale`` for traces),
         then ``sample``, then ``rate_scale``, then ``limit``.
         """
-        from sim.io.workload import (
-            UniformParams,
-            iter_mooncake,
-            iter_multiturn,
-            iter_trace,
-            iter_uniform,
-            sample,
-            scale_rate,
-            take,
-        )
-
         wl = self.scenario.workload
         seed = self.scenario.seed
         tph = self.scenario.scheduler.tokens_per_hash
@@ -981,8 +990,6 @@ class RunSpec:
                 stream = iter_mooncake(self.workload_path, tph, time_scale=wl.time_scale,
                                        block_tokens=wl.block_tokens or 512)
             else:
-                from sim.io.traces import BadLines
-
                 bad = BadLines()
                 self._bad.append(bad)
                 fmt = "mooncake" if wl.kind == "mooncake" else (None if wl.format == "auto" else wl.format)
@@ -1046,8 +1053,6 @@ class RunSpec:
 
     def resolved_toml(self) -> str:
         """:meth:`resolved` as TOML text (deterministic)."""
-        import tomli_w
-
         return tomli_w.dumps(self.resolved())
 
     def describe(self) -> str:
@@ -1068,16 +1073,12 @@ def _given_params(wl: MultiTurnWorkload | UniformWorkload) -> dict[str, Any]:
 
 def _multiturn(wl: MultiTurnWorkload) -> MultiTurnParams:
     """Multi-turn parameters: the kind's preset with the given keys on top."""
-    from sim.io.workload import AGENTIC, MultiTurnParams
-
     base = AGENTIC if wl.kind == "agentic" else MultiTurnParams()
     return dataclasses.replace(base, **_given_params(wl))
 
 
 def kvsim_version() -> str:
     """The installed kvsim version."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("kvsim")
     except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
@@ -1085,14 +1086,10 @@ def kvsim_version() -> str:
 
 
 def _eviction(policy: str) -> Any:
-    from sim.model.cpu_cache import EvictionPolicy
-
     return EvictionPolicy(policy)
 
 
 def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, source: str) -> StepCostModel:
-    from sim.model.costs import ZERO_STEP, StepCostModel, step_model_for
-
     step = sc.costs.step
     if step == "zero":
         return ZERO_STEP
@@ -1110,8 +1107,6 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, sour
 
 
 def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:
-    from sim.model.costs import ZERO_TRANSFER, TransferModel
-
     if sc.costs.transfer == "zero":
         return ZERO_TRANSFER, ZERO_TRANSFER
     return (TransferModel(float(hw.h2d_bandwidth), hw.h2d_latency_s),
@@ -1125,7 +1120,7 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
     a bad value is reported against the option instead of the file.
     """
     source = str(path)
-    _check_schema(data, source, "run/1")
+    check_schema(data, source, "run/1")
     try:
         sc = RunScenario.model_validate(data)
     except ValidationError as exc:
@@ -1162,7 +1157,6 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
             raise InputError(source, "hardware.gpu_kv_bytes",
                              f"{gpu_kv_bytes} B hold {gpu_blocks} blocks of {block_bytes} B",
                              f"at least {2 * block_bytes} B (2 blocks, the null block included)")
-    from sim.model.cpu_cache import capacity_from_bytes, slot_bytes
 
     cpu_chunks = 0
     cc = sc.cpu_cache
@@ -1188,15 +1182,11 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
                              f"{block_tokens} is not a multiple of tokens_per_hash={s.tokens_per_hash}",
                              f"a multiple of {s.tokens_per_hash}")
         if wl.kind == "trace" and wl.format == "auto":
-            from sim.io.traces import detect_format
-
             try:
                 detect_format(workload_path)
             except InputError as exc:
                 raise InputError(source, "workload.format", exc.problem, exc.allowed) from None
     else:
-        from sim.io.workload import UniformParams, validate_params, validate_uniform
-
         try:
             if isinstance(wl, UniformWorkload):
                 validate_uniform(UniformParams(**_given_params(wl)), source)
@@ -1225,77 +1215,6 @@ def load_run(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()) 
     """
     p = Path(path)
     data = read_toml(p)
-    _check_schema(data, str(p), "run/1")
+    check_schema(data, str(p), "run/1")
     touched = apply_overrides(data, overrides)
     return build_run(data, p, touched)
-
-
-# -- validate any file ----------------------------------------------------------------
-
-_DESCRIBE: dict[str, Callable[[Path], str]] = {}
-
-
-def _describe_model(path: Path) -> str:
-    mf = load_model_file(path)
-    parts = []
-    for g in mf.groups:
-        extra = f" W{g.window}" if g.window else (f" C{g.attention_chunk}" if g.attention_chunk else "")
-        parts.append(f"{g.kind} bs{g.tokens_per_block}{extra} x{g.layers}")
-    spec = [_group_spec(g, 1) for g in mf.groups]
-    per_block = max(s.shape.bytes_per_block(s.tokens_per_block) for s in spec if s.shape is not None)
-    return f"model/1: {mf.name}, {len(mf.groups)} groups ({', '.join(parts)}), {per_block} B per block"
-
-
-def _describe_hardware(path: Path) -> str:
-    hw = load_hardware_file(path)
-    return (f"hardware/1: {hw.name} (gpu {hw.gpu}), HBM {hw.hbm_bytes / 1e9:g} GB, "
-            f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s")
-
-
-def _describe_check(path: Path) -> str:
-    from sim.io.check import load_check_file, parse_check
-
-    batch, items = load_check_file(path, jsonl=path.suffix == ".jsonl")
-    for i, item in enumerate(items):
-        source = f"{path}[{i}]" if batch else str(path)
-        if isinstance(item, dict) and "__error__" in item:
-            raise InputError(source, "", str(item["__error__"]))
-        parse_check(item, source)
-    if batch:
-        return f"check/1: {len(items)} scenarios"
-    return f"check/1: logic {items[0].get('window_logic', 'both')}, {len(items[0]['groups'])} groups"
-
-
-def _describe_run(path: Path) -> str:
-    return load_run(path).describe()
-
-
-def _describe_sweep(path: Path) -> str:
-    from sim.tools.sweep import describe_sweep
-
-    return describe_sweep(path)
-
-
-_DESCRIBE.update({"run/1": _describe_run, "model/1": _describe_model, "hardware/1": _describe_hardware,
-                  "check/1": _describe_check, "sweep/1": _describe_sweep})
-
-
-def validate_file(path: str | Path) -> str:
-    """Validate any scenario file by its ``schema`` and describe it in one line.
-
-    JSON and JSON Lines files are ``check/1`` batches.
-
-    Raises:
-        InputError: the file is invalid, or its schema is missing or unknown.
-    """
-    p = Path(path)
-    if p.suffix in (".json", ".jsonl"):
-        return _describe_check(p)
-    data = read_toml(p)
-    schema = data.get("schema")
-    allowed = ", ".join(f'"{s}"' for s in SCHEMAS)
-    if schema is None:
-        raise InputError(str(p), "schema", "missing", allowed)
-    if not isinstance(schema, str) or schema not in _DESCRIBE:
-        raise InputError(str(p), "schema", f"{schema!r} is not a known schema", allowed)
-    return _DESCRIBE[schema](p)

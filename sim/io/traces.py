@@ -37,14 +37,12 @@ Conventions
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import json
 import math
 import os
 import secrets
-import sys
 import urllib.error
 import urllib.request
 from array import array
@@ -55,6 +53,9 @@ from datetime import datetime, timedelta
 from http.client import HTTPException
 from pathlib import Path
 from typing import IO, Any, ClassVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from sim.errors import InputError
 from sim.io.workload import _check_record
@@ -68,7 +69,6 @@ __all__ = [
     "BadLines",
     "KnownTrace",
     "TraceRecord",
-    "add_trace_parser",
     "convert_trace",
     "default_cache_dir",
     "detect_format",
@@ -573,9 +573,6 @@ def _iter_azure(path: Path, source: str, skip_bad: bool, bad: BadLines | None) -
 
 def _iter_parquet(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
                   block_tokens: int | None) -> Iterator[TraceRecord]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     allowed = "kvsim's trace schema: " + ", ".join(CSV_COLUMNS) + " (the first three required)"
     try:
         pf = pq.ParquetFile(path)
@@ -855,9 +852,6 @@ def _write_csv(records: Iterable[TraceRecord], f: IO[str]) -> int:
 
 
 def _write_parquet(records: Iterable[TraceRecord], path: Path, source: str) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     schema = pa.schema([
         ("arrival_s", pa.float64()), ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
         ("hash_ids", pa.list_(pa.int64())), ("block_tokens", pa.int64()), ("prefix_group", pa.int64()),
@@ -1043,85 +1037,3 @@ def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, u
         if problem is not None:
             raise InputError(name, "", f"download failed ({problem}; from {src})", allowed)
     return target, True
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line: kvsim trace stats | fetch | convert
-# ----------------------------------------------------------------------------------------------
-
-def _block_tokens_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
-def _report_bad(bad: BadLines) -> None:
-    if bad.count:
-        shown = "; ".join(bad.examples) + ("; ..." if bad.count > len(bad.examples) else "")
-        print(f"kvsim: skipped {bad.count} bad line(s): {shown}", file=sys.stderr)
-
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    stats = trace_stats(args.file, args.format, skip_bad=args.skip_bad, block_tokens=args.block_tokens)
-    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
-    return 0
-
-
-def _cmd_fetch(args: argparse.Namespace) -> int:
-    path, downloaded = fetch_trace(args.name, args.cache_dir, url=args.url, force=args.force)
-    if not downloaded:
-        print(f"kvsim: {args.name}: already cached (digest verified)", file=sys.stderr)
-    print(path)
-    return 0
-
-
-def _cmd_convert(args: argparse.Namespace) -> int:
-    bad = BadLines()
-    n, size = convert_trace(args.src, args.dst, args.src_format, args.dst_format, skip_bad=args.skip_bad,
-                            bad=bad, block_tokens=args.block_tokens, overwrite=args.force)
-    _report_bad(bad)
-    print(f"wrote {n:,} records to {args.dst}")
-    if size is not None and size != MOONCAKE_BLOCK_TOKENS:
-        print(f"kvsim: note: {args.dst} uses {size}-token blocks; read it with --block-tokens {size}",
-              file=sys.stderr)
-    return 0
-
-
-def add_trace_parser(sub: Any) -> None:
-    """Register ``kvsim trace {stats,fetch,convert}`` on the top-level subparsers."""
-    p = sub.add_parser("trace", help="request traces: statistics, download, conversion")
-    tsub = p.add_subparsers(dest="trace_command", required=True)
-
-    s = tsub.add_parser("stats", help="request count, rate, length percentiles, prefix reuse")
-    s.add_argument("file", help="trace file (Mooncake JSONL, Azure CSV, kvsim CSV or Parquet)")
-    s.add_argument("--format", choices=FORMATS, help="input format (default: from the name and first line)")
-    s.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    s.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
-    s.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
-                   help="tokens per hash id (Mooncake: 512; kvsim CSV/Parquet: where the column is empty)")
-    s.set_defaults(func=_cmd_stats)
-
-    f = tsub.add_parser("fetch", help="download a published trace into the cache folder")
-    f.add_argument("name", choices=list(KNOWN_TRACES), metavar="NAME",
-                   help="one of: " + ", ".join(KNOWN_TRACES))
-    f.add_argument("--cache-dir", metavar="DIR",
-                   help="where to put it (default: $KVSIM_CACHE, else ~/.cache/kvsim/traces)")
-    f.add_argument("--url", help="download from this URL instead (a mirror); digests are still checked")
-    f.add_argument("--force", action="store_true", help="download again even if a cached copy exists")
-    f.set_defaults(func=_cmd_fetch)
-
-    c = tsub.add_parser("convert", help="rewrite a trace as Mooncake JSONL, kvsim CSV or kvsim Parquet")
-    c.add_argument("src", metavar="IN", help="input trace")
-    c.add_argument("dst", metavar="OUT", help="output file (written atomically)")
-    c.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: detected)")
-    c.add_argument("--to", dest="dst_format", choices=WRITABLE_FORMATS,
-                   help="output format (default: from OUT's suffix)")
-    c.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of failing")
-    c.add_argument("--block-tokens", type=_block_tokens_arg, metavar="N",
-                   help="tokens per hash id of the input (Mooncake: 512; kvsim CSV/Parquet: where empty)")
-    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    c.set_defaults(func=_cmd_convert)

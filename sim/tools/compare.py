@@ -6,7 +6,7 @@ What it does
     ``window_logic`` in the file or in the overrides is replaced per run.
     Both runs use the same seed, so they see the same requests and differ
     only through the profile objects of :mod:`sim.model.windows`. Each run goes
-    through :func:`sim.io.results.execute` into its own run folder, in two
+    through :func:`sim.tools.run.execute` into its own run folder, in two
     processes (a spawn-safe top-level worker; ``jobs = 1`` runs them one
     after the other in this process). Then the two folders are read back and
     compared.
@@ -51,25 +51,39 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import sys
+import time
+import traceback
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
 from sim.errors import InputError
+from sim.io.check import evaluate, load_check_file, parse_check, summarize
+from sim.io.results import RunWriter, clean_floats, load_results, move_into_place, write_json_atomic
+from sim.io.scenario import human_bytes, load_run
+from sim.tools.plots import old_vs_new, save_figure
+from sim.tools.run import execute
 
 __all__ = [
     "DIVERGED_COLUMNS",
     "LOGICS",
     "CompareResult",
     "compare_runs",
+    "compare_table",
     "describe_divergence",
     "diverged_requests",
-    "format_table",
     "list_reproducers",
     "load_compare",
     "logic_figures",
@@ -142,11 +156,6 @@ def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
     but plain data crosses the process boundary. Bad input found while
     running (a bad trace line) comes back as ``input_error``.
     """
-    import time
-    import traceback
-
-    from sim.io.results import RunWriter, execute
-    from sim.io.scenario import load_run
 
     logic = str(task["logic"])
     bar: Any = None
@@ -154,8 +163,6 @@ def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
         spec = load_run(Path(task["scenario"]), _logic_overrides(task["overrides"], logic))
         writer = RunWriter(Path(task["target"]))
         if task["progress"]:
-            from tqdm import tqdm
-
             bar = tqdm(total=spec.expected_requests, unit="req", desc=f"{spec.name} {logic.upper()}",
                        file=sys.stderr, position=int(task["position"]), leave=True, dynamic_ncols=True)
 
@@ -181,8 +188,6 @@ def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
 def _run_both(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
     if jobs <= 1:
         return [_run_logic(t) for t in tasks]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
@@ -233,9 +238,6 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
     Raises:
         InputError: bad scenario, overrides, arguments or trace; nothing is created then.
     """
-    import time
-
-    from sim.io.scenario import load_run
 
     if type(jobs) is not int or jobs < 1:
         raise InputError("argument", "--jobs", f"{jobs!r}", "1 (one run after the other) or 2 (in parallel)")
@@ -280,7 +282,6 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
     except BaseException:
         abort()
         raise
-    from sim.io.results import move_into_place
 
     move_into_place(tmp, target)
     result.path = target
@@ -338,8 +339,6 @@ def _clean(v: Any) -> Any:
     if v is None:
         return None
     try:
-        import pandas as pd
-
         if pd.isna(v):
             return None
     except (TypeError, ValueError):
@@ -439,8 +438,6 @@ def _rows_by_id(frame: Any) -> dict[str, dict[str, Any]]:
 def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
     """The requests whose outcome differs, one row each (columns :data:`DIVERGED_COLUMNS`),
     ordered by arrival time, then request id."""
-    import pandas as pd
-
     rows = {"old": _rows_by_id(old_requests), "new": _rows_by_id(new_requests)}
     absent = {c: None for c, _ in _OUTCOME} | {"status": "absent", "arrival_s": None}
     compared = [c for c, _ in _OUTCOME if c != "ttft_s"]
@@ -469,8 +466,6 @@ def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
 
 
 def _diverged_schema() -> Any:
-    import pyarrow as pa
-
     fields = [pa.field("req_id", pa.string(), nullable=False), pa.field("arrival_s", pa.float64())]
     for lg in LOGICS:
         fields += [pa.field(f"{lg}_{c}", getattr(pa, kind)()) for c, kind in _OUTCOME]
@@ -479,9 +474,6 @@ def _diverged_schema() -> Any:
 
 
 def _write_diverged(path: Path, frame: Any) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     schema = _diverged_schema()
     cols = {name: [_clean(v) for v in frame[name].tolist()] for name in schema.names}
     table = pa.Table.from_pydict(cols, schema=schema)
@@ -555,8 +547,6 @@ def verify_reproducer(path: Path, logic: str, kind: str | None, detail: str | No
     among its hazards), ``outcome`` (one line per logic) and ``error`` (the
     file could not be read or parsed; then the other two are False).
     """
-    from sim.io.check import evaluate, load_check_file, parse_check, summarize
-
     try:
         _, items = load_check_file(Path(path))
         sc = parse_check(items[0], str(path))
@@ -581,8 +571,6 @@ def verify_reproducer(path: Path, logic: str, kind: str | None, detail: str | No
 
 def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any],
                    verify: bool) -> CompareResult:
-    from sim.io.results import load_results, write_json_atomic
-
     runs = {lg: load_results(folder / lg) for lg in LOGICS}
     logics: dict[str, Any] = {}
     reproducers: dict[str, list[dict[str, Any]]] = {}
@@ -608,18 +596,16 @@ def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any
         "timing": timing,
     }
     _write_diverged(folder / "diverged.parquet", diverged)
-    from sim.io.results import _clean_floats
 
-    write_json_atomic(folder / "compare.json", _clean_floats(figures))
-    from sim.tools.plots import old_vs_new, save_figure
+    write_json_atomic(folder / "compare.json", clean_floats(figures))
 
     save_figure(old_vs_new(folder, runs=runs, figures=figures), folder / "compare.png")
-    text = markdown_report(_clean_floats(figures))
+    text = markdown_report(clean_floats(figures))
     tmp = folder / ".compare.md.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, folder / "compare.md")
     return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS},
-                         figures=_clean_floats(figures), diverged=diverged, status=status)
+                         figures=clean_floats(figures), diverged=diverged, status=status)
 
 
 def load_compare(path: str | Path) -> CompareResult:
@@ -628,8 +614,6 @@ def load_compare(path: str | Path) -> CompareResult:
     Raises:
         InputError: ``path`` is not a compare folder (no ``compare.json``).
     """
-    import pyarrow.parquet as pq
-
     folder = Path(path)
     f = folder / "compare.json"
     if not f.is_file():
@@ -656,8 +640,6 @@ def _kinds(d: dict[str, Any]) -> str:
 
 def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(label, OLD, NEW) rows of the side-by-side table."""
-    from sim.io.scenario import human_bytes
-
     runs = figures["runs"]
     copy_path = bool(figures.get("scenario", {}).get("copy_path"))
 
@@ -721,7 +703,7 @@ def _rep_cell(reps: list[dict[str, Any]]) -> str:
     return str(len(reps))
 
 
-def format_table(figures: dict[str, Any], folder: Path | str | None = None) -> str:
+def compare_table(figures: dict[str, Any], folder: Path | str | None = None) -> str:
     """The side-by-side table ``kvsim compare`` prints, with the first diverging requests."""
     rows = [("", "OLD (vLLM 0.29.0)", "NEW (vLLM 0.30.0)"), *_rows(figures)]
     w0 = max(len(r[0]) for r in rows)

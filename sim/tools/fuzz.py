@@ -54,13 +54,13 @@ Determinism
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import json
 import math
-import os
 import random
 import re
-import sys
+import signal
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -69,8 +69,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import tomli_w
+
+from sim.engine.loop import InvariantViolation, simulate
+from sim.engine.metrics import Recorder
 from sim.errors import InputError
-from sim.io.check import CheckScenario, Logic, parse_check, run_check
+from sim.io.check import CheckScenario, Logic, expand_chunk_states, parse_check, run_check, summarize
+from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
 from sim.model.gpu_cache import Block
@@ -87,7 +92,6 @@ __all__ = [
     "FuzzScenario",
     "RunFinding",
     "RunFuzzReport",
-    "add_fuzz_parser",
     "classify",
     "condition_of",
     "fast_outcomes",
@@ -151,8 +155,6 @@ class FuzzScenario:
     def from_check(cls, sc: CheckScenario) -> FuzzScenario:
         """The plain form of a validated ``check/1`` scenario (its
         ``cpu_capacity_chunks`` and expectations are dropped)."""
-        from sim.io.check import expand_chunk_states
-
         groups = tuple(FuzzGroup(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
                                  g.extra_retained_tokens, g.eagle) for g in sc.groups)
         states = expand_chunk_states(sc, sc.name or "<check>")
@@ -1140,8 +1142,6 @@ def case_toml(cr: ConditionResult, seed: int, logics: Sequence[Logic], origin: s
              f"{len(cr.found.groups)} groups, {len(cr.found.states)} stated chunks",
              "# outcomes observed with kvsim's model (sim.io.check.run_check), not derived by hand"]
     for logic in dict.fromkeys(logics):
-        from sim.io.check import summarize
-
         lines.append(f"# {logic.upper()}: {summarize(cr.outcomes[logic])}")
     lines += [f'name = "fuzz-{cr.condition.slug()}"',
               f'window_logic = "{data["window_logic"]}"',
@@ -1191,8 +1191,6 @@ def _write_case(out: Path, cr: ConditionResult, seed: int, budget: int, logics: 
 def _write_simbug(out: Path, cr: ConditionResult, seed: int, command: str) -> tuple[Path, str]:
     """A simulator bug: the scenario as a check/1 JSON object (not a library
     entry: ``kvsim regress`` reads ``*.toml`` only); ``kvsim check`` shows it."""
-    import json
-
     data = cr.found.check_data()
     data["name"] = f"simbug-{cr.condition.slug()}-seed{seed}-i{cr.first_index}"
     path = out / "simbugs" / f"{data['name']}.json"
@@ -1309,15 +1307,11 @@ class RunFinding:
 
 
 def _simulate(data: dict[str, Any], source: Path) -> RunResult:
-    from sim.engine.loop import simulate
-    from sim.engine.metrics import Recorder
-    from sim.io.scenario import build_run
-
     spec = build_run(data, source)
     return simulate(spec.engine_config(), spec.requests(), Recorder(_NullSink()))
 
 
-_COVERAGE = ("preemptions", "load_jobs", "store_rejections", "deferrals", "requests_rejected", "crashes",
+COVERAGE = ("preemptions", "load_jobs", "store_rejections", "deferrals", "requests_rejected", "crashes",
              "hazards", "integrity_violations")
 
 
@@ -1329,9 +1323,6 @@ class _WallTimeout(BaseException):
 def _guarded(fn: Callable[[], RunResult], seconds: float) -> RunResult:
     """``fn()`` under a wall-clock limit (SIGALRM; main thread on POSIX only,
     else unguarded)."""
-    import signal
-    import threading
-
     if seconds <= 0 or not hasattr(signal, "setitimer") or \
             threading.current_thread() is not threading.main_thread():
         return fn()
@@ -1348,21 +1339,19 @@ def _guarded(fn: Callable[[], RunResult], seconds: float) -> RunResult:
         signal.signal(signal.SIGALRM, old)
 
 
-_COVERAGE = ("preemptions", "load_jobs", "store_rejections", "deferrals", "requests_rejected", "crashes",
+COVERAGE = ("preemptions", "load_jobs", "store_rejections", "deferrals", "requests_rejected", "crashes",
              "hazards", "integrity_violations")
 
 
 def _check_run(data: dict[str, Any], logic: str, copy_path: bool, wall_limit_s: float = 10.0
                ) -> tuple[tuple[str, str] | None, dict[str, int]]:
     """(kind, detail) of a finding of one run (or None), and which behaviours
-    the run exercised (:data:`_COVERAGE` counters, 0/1).
+    the run exercised (:data:`COVERAGE` counters, 0/1).
 
     Kinds: ``invariant`` (an end-of-run invariant failed), ``error`` (any other
     exception), ``stall`` (the simulated time limit or the wall-clock guard
     was reached with requests unfinished: a livelock), ``integrity`` (NEW read
     wrong KV, with the copy path)."""
-    from sim.engine.loop import InvariantViolation
-
     run = {**data, "window_logic": logic}
     try:
         res = _guarded(lambda: _simulate(run, Path("fuzz-run.toml")), wall_limit_s)
@@ -1375,7 +1364,7 @@ def _check_run(data: dict[str, Any], logic: str, copy_path: bool, wall_limit_s: 
     except Exception as exc:
         return ("error", f"{type(exc).__name__}: {exc}"), {}
     s = res.summary
-    seen = {f"{logic}:{name}": int(bool(getattr(s, name))) for name in _COVERAGE}
+    seen = {f"{logic}:{name}": int(bool(getattr(s, name))) for name in COVERAGE}
     if res.status != "ok":
         done = s.requests_finished + s.requests_rejected
         return ("stall", f"status {res.status} at {s.sim_time_s:g} s simulated: {done} of "
@@ -1406,8 +1395,6 @@ def _shrink_run(f: RunFinding, copy_path: bool, max_tries: int = 10) -> RunFindi
     """The shortest request stream (``workload.limit``, by bisection) that
     still gives a finding of the same kind; a stall is first tried with a
     60 s simulated-time limit (quicker to replay)."""
-    from sim.io.scenario import build_run
-
     data = f.data
     logic = data["window_logic"]
     if f.kind == "stall":
@@ -1452,8 +1439,6 @@ class RunFuzzReport:
 
 
 def run_toml(f: RunFinding, seed: int, origin: str) -> str:
-    import tomli_w
-
     head = (f"# kvsim fuzz --runs finding: {f.kind} under {f.logic.upper()} (seen in {f.count} run(s))\n"
             f"# found by {origin} at run index {f.index} (seed {seed})\n"
             f"# {f.detail[:300]}\n# replay: kvsim run THIS_FILE\n")
@@ -1465,7 +1450,7 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
               unit: int = 8) -> RunFuzzReport:
     """Simulate ``runs`` random small runs under OLD and NEW; collect findings."""
     if copy_path:
-        import torch  # noqa: F401 - fail early, with the caller's message
+        import torch  # noqa: F401, PLC0415 -- optional extra; fail early, with the caller's message
     t0 = time.perf_counter()
     units = [(seed, a, min(runs, a + unit), copy_path) for a in range(0, runs, unit)]
     pool = _executor(jobs)
@@ -1496,108 +1481,3 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
             f.path = out / f"fuzz-run-s{seed}-i{f.index}-{f.logic}-{f.kind}.toml"
             f.status = _write_text(f.path, run_toml(f, seed, origin))
     return RunFuzzReport(seed, runs, 2 * runs, wall, findings, dict(sorted(coverage.items())))
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-
-def add_fuzz_parser(sub: Any) -> None:
-    """``kvsim fuzz``: the decision fuzzer (``--budget``) or the run fuzzer (``--runs``)."""
-    p = sub.add_parser("fuzz", help="search random check scenarios (--budget) or random runs (--runs)")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--budget", type=int, metavar="N", help="check scenarios to search (OLD vs NEW)")
-    mode.add_argument("--runs", type=int, metavar="N",
-                      help="random whole runs to simulate (OLD and NEW each)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
-    p.add_argument("--logic-pair", default="old,new", metavar="A,B", help="logics compared (default old,new)")
-    p.add_argument("--out", metavar="DIR",
-                   help="where new cases go (default scenarios/crash/fuzz; --runs: results/fuzz-runs)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
-                   help="worker processes (default: CPU count)")
-    p.add_argument("--copy-path", action="store_true", help="--runs: real tensor copies, integrity under NEW")
-    p.add_argument("--verify-every", type=int, default=4096, metavar="K",
-                   help="cross-check every K-th scenario against run_check (0: never)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_fuzz)
-
-
-def _bar(total: int, unit: str, quiet: bool) -> Any:
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, desc="fuzz")
-
-
-def cmd_fuzz(args: argparse.Namespace) -> int:
-    """Exit 0 when the search ran (findings are its output); 1 when it found
-    a simulator bug (an exception, a fast-path divergence, a violated
-    invariant) or, with --runs --copy-path, an integrity violation under NEW."""
-    if args.jobs < 1:
-        raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
-    if args.seed < 0:
-        raise InputError("argument", "--seed", f"{args.seed}", "an integer >= 0")
-    command = "kvsim fuzz " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["fuzz"] else ""
-    if args.runs is not None:
-        return _cmd_runs(args, command)
-    pair = tuple(x.strip() for x in args.logic_pair.split(","))
-    if len(pair) != 2 or any(x not in ("old", "new") for x in pair):
-        raise InputError("argument", "--logic-pair", f"{args.logic_pair!r}", "two of old,new, e.g. old,new")
-    if args.budget < 1:
-        raise InputError("argument", "--budget", f"{args.budget}", "an integer >= 1")
-    out = Path(args.out or "scenarios/crash/fuzz")
-    bar = _bar(args.budget, "scn", args.quiet)
-    try:
-        rep = fuzz_decisions(args.budget, args.seed, logics=cast("tuple[Logic, ...]", pair), out=out,
-                             jobs=args.jobs, verify_every=args.verify_every,
-                             progress=bar.update if bar is not None else None, command=command)
-    finally:
-        if bar is not None:
-            bar.close()
-    print(rep.table())
-    print()
-    written = sum(c.status == "written" for c in rep.conditions)
-    print(f"kvsim fuzz: {rep.scanned} scenarios in {rep.search_s:.2f} s wall with {rep.jobs} jobs: "
-          f"{rep.rate:,.0f} scenarios/s wall ({rep.cpu_rate:,.0f} per CPU second of one process); "
-          f"{rep.findings} findings in {len(rep.conditions)} conditions")
-    print(f"kvsim fuzz: files: {written} written, "
-          f"{sum(c.status == 'unchanged' for c in rep.conditions)} unchanged, "
-          f"{sum(c.status == 'kept existing' for c in rep.conditions)} kept existing, in {out}; "
-          f"{rep.wall_s:.2f} s in all (shrinking and verification included)")
-    for index, what in rep.divergences:
-        print(f"kvsim fuzz: FAST PATH DIVERGENCE at index {index}: {what}", file=sys.stderr)
-    bugs = rep.simulator_bugs
-    for c in bugs:
-        print(f"kvsim fuzz: SIMULATOR BUG {c.condition.words()} (index {c.first_index}): {c.path}",
-              file=sys.stderr)
-    return 1 if bugs or rep.divergences else 0
-
-
-def _cmd_runs(args: argparse.Namespace, command: str) -> int:
-    if args.runs < 1:
-        raise InputError("argument", "--runs", f"{args.runs}", "an integer >= 1")
-    if args.copy_path:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise InputError("fuzz", "--copy-path", "torch is not installed", "pip install 'kvsim[torch]'") \
-                from None
-    out = Path(args.out or "results/fuzz-runs")
-    bar = _bar(args.runs, "run", args.quiet)
-    try:
-        rep = fuzz_runs(args.runs, args.seed, copy_path=args.copy_path, out=out, jobs=args.jobs,
-                        progress=bar.update if bar is not None else None, command=command)
-    finally:
-        if bar is not None:
-            bar.close()
-    for f in rep.findings:
-        print(f"{f.kind:10s} {f.logic.upper():4s} x{f.count:<4d} run {f.index}: {f.detail[:160]}  "
-              f"-> {f.path} ({f.status})")
-    cov = ", ".join(f"{name} {rep.coverage.get(f'old:{name}', 0)}/{rep.coverage.get(f'new:{name}', 0)}"
-                    for name in _COVERAGE)
-    print(f"kvsim fuzz: simulations (OLD/NEW) with {cov}")
-    print(f"kvsim fuzz: {rep.runs} runs ({rep.simulations} simulations, OLD and NEW) in {rep.wall_s:.2f} s "
-          f"wall: {rep.rate:.1f} runs/s; {len(rep.findings)} distinct findings")
-    return 1 if rep.findings else 0

@@ -39,18 +39,23 @@ Invariants
 
 from __future__ import annotations
 
-import argparse
 import functools
+import json
 import math
 import numbers
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
 from sim.errors import InputError
+from sim.io.results import RunResults, load_results
+from sim.tools.sweep import SweepResults, load_sweep
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -65,8 +70,6 @@ __all__ = [
     "POLICY_COLOURS",
     "STATE_COLOURS",
     "STYLE",
-    "add_plot_parser",
-    "cmd_plot",
     "folder_kind",
     "hit_rate_vs_cpu",
     "knee",
@@ -136,7 +139,7 @@ def _styled(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
         with matplotlib.rc_context(cast(Any, STYLE)):
             return fn(*args, **kwargs)
@@ -146,8 +149,8 @@ def _styled(fn: Callable[P, R]) -> Callable[P, R]:
 
 def _figure(width: float, height: float) -> Figure:
     """A new constrained-layout figure on an Agg canvas (no pyplot)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+    from matplotlib.figure import Figure  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -160,7 +163,7 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     Returns:
         the path written.
     """
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,8 +220,6 @@ def _nice_step(span: float, target: int) -> float:
 
 def _ttft_s(requests: Any) -> Any:
     """Sorted TTFT samples (s) of the requests that got a first token."""
-    import numpy as np
-
     if len(requests) == 0:
         return np.empty(0)
     ft = requests["first_token_s"].to_numpy(dtype=float, na_value=np.nan)
@@ -229,14 +230,12 @@ def _ttft_s(requests: Any) -> Any:
 
 def _cdf_axes(ax: Any, samples: Sequence[Any]) -> None:
     """x label, scale (log when the samples span more than 100x) and y range of a TTFT CDF."""
-    import numpy as np
-
     pos = np.concatenate([s[s > 0] for s in samples]) if samples else np.empty(0)
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("requests with TTFT ≤ x (fraction)")
     ax.set_ylim(0, 1.02)
     if len(pos) and pos.max() / pos.min() > 100:
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
@@ -246,8 +245,6 @@ def _cdf_axes(ax: Any, samples: Sequence[Any]) -> None:
 
 
 def _draw_cdf(ax: Any, xs: Any, **kw: Any) -> None:
-    import numpy as np
-
     if len(xs) == 0:
         return
     ys = np.arange(1, len(xs) + 1) / len(xs)
@@ -263,8 +260,6 @@ def _note(ax: Any, text: str) -> None:
 
 
 def _load_run(run: RunResults | str | Path) -> RunResults:
-    from sim.io.results import RunResults, load_results
-
     return run if isinstance(run, RunResults) else load_results(run)
 
 
@@ -287,8 +282,6 @@ def occupancy(run: RunResults | str | Path) -> Figure:
     Args:
         run: a :class:`~sim.io.results.RunResults` or a run folder.
     """
-    import numpy as np
-
     res = _load_run(run)
     occ = res.occupancy
     fig = _figure(9.0, 5.6)
@@ -335,8 +328,6 @@ def _busy_per_bin(start: Any, end: Any, edges: Any) -> Any:
     ``busy(t) = sum over jobs of clip(t - start, 0, end - start)`` evaluated at
     the edges with sorted cumulative sums; a bin's busy time is the difference.
     """
-    import numpy as np
-
     s = np.sort(np.asarray(start, dtype=float))
     e = np.sort(np.asarray(end, dtype=float))
     cs = np.concatenate([[0.0], np.cumsum(s)])
@@ -360,8 +351,6 @@ def link_utilisation(run: RunResults | str | Path, bins: int = 120) -> Figure:
         bins: about this many bins over the simulated time (the width is
             rounded to 1, 2 or 5 x 10^k s).
     """
-    import numpy as np
-
     res = _load_run(run)
     tr = res.transfers
     end_t = float(res.summary.get("sim_time_s") or 0.0)
@@ -406,8 +395,6 @@ def ttft_cdf(runs: Sequence[RunResults | str | Path] | RunResults | str | Path,
         title: the figure title (default: the first run's :func:`run_title`,
             or "TTFT of N runs").
     """
-    from sim.io.results import RunResults
-
     items = [runs] if isinstance(runs, (RunResults, str, Path)) else list(runs)
     loaded = [_load_run(r) for r in items]
     if labels is not None and len(labels) != len(loaded):
@@ -453,11 +440,7 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
             from ``compare/old`` and ``compare/new`` when omitted.
         figures: ``compare.json`` already read; read from the folder when omitted.
     """
-    import json
 
-    import numpy as np
-
-    from sim.io.results import load_results
 
     folder = Path(compare)
     if figures is None:
@@ -546,7 +529,7 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
 
 
 def _int_locator() -> Any:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
     return MaxNLocator(integer=True, nbins=5)
 
@@ -607,9 +590,6 @@ def _varying(df: Any, exclude: Sequence[str] = ()) -> list[str]:
 def _read_sweep(sweep: Any) -> tuple[Any, Path | None, str]:
     """(table, folder, name) from a sweep folder, a :func:`sim.load_sweep` result
     or an already-read ``sweep.parquet`` DataFrame."""
-    import pandas as pd
-
-    from sim.tools.sweep import SweepResults, load_sweep
 
     if isinstance(sweep, pd.DataFrame):
         return sweep, None, "sweep"
@@ -620,8 +600,6 @@ def _read_sweep(sweep: Any) -> tuple[Any, Path | None, str]:
 
 def _ok_points(df: Any) -> tuple[Any, list[str]]:
     """(rows of finished points, names of the failed or metric-less points skipped)."""
-    import numpy as np
-
     status = df["status"].astype(str) if "status" in df.columns else None
     ok = (status == "ok") if status is not None else np.ones(len(df), dtype=bool)
     if "cpu_hit_rate" in df.columns:
@@ -673,8 +651,6 @@ def knee(x: Sequence[float] | Any, y: Sequence[float] | Any, *, curve: str = "co
         ValueError: x and y differ in length, ``curve`` is unknown, or
             ``log_x`` with an x value <= 0.
     """
-    import numpy as np
-
     if curve not in ("concave", "convex"):
         raise ValueError(f"curve must be 'concave' or 'convex', not {curve!r}")
     xs = np.asarray(x, dtype=float)
@@ -742,8 +718,7 @@ def _series(df: Any, keys: list[str]) -> list[tuple[str, Any, dict[str, Any]]]:
 
 def _size_axis(ax: Any, sizes: Any) -> bool:
     """x axis in GiB, log2 when the sizes span 4x or more; ticks at (thinned) swept sizes."""
-    import numpy as np
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
     u = np.unique(sizes)
     log = len(u) > 1 and u.min() > 0 and u.max() / u.min() >= 4
@@ -764,8 +739,6 @@ def _annotate_knees(ax: Any, knees: list[tuple[float, float, str, str]], log: bo
                     sizes: Any) -> None:
     """One "knee: N GiB" note per distinct knee point (lines sharing a knee share the note), staggered
     downwards, on the side of the point with more room."""
-    import numpy as np
-
     groups: list[list[tuple[float, float, str, str]]] = []
     span = max((abs(k[1]) for k in knees), default=1.0) or 1.0
     for item in knees:
@@ -801,8 +774,6 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
     Args:
         sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame.
     """
-    import numpy as np
-
     table, _, sweep_name = _read_sweep(sweep)
     df, skipped = _ok_points(table)
     keys = _varying(df, exclude=("cpu_cache_bytes", "seed"))
@@ -865,9 +836,6 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
             ``root`` is the folder its ``run_dir`` values are relative to).
         root: see ``sweep``.
     """
-    import numpy as np
-    import pyarrow.parquet as pq
-
     table, folder, sweep_name = _read_sweep(sweep)
     base = folder if folder is not None else Path(root) if root is not None else Path()
     df, skipped = _ok_points(table)
@@ -879,7 +847,7 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     many = len(df) > 10
     cmap_colours = None
     if many:
-        from matplotlib import colormaps
+        from matplotlib import colormaps  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
         cmap_colours = colormaps["viridis"](np.linspace(0.0, 0.9, len(df)))
     n = 0
@@ -960,8 +928,6 @@ def write_plots(folder: str | Path, out: str | Path | None = None,
         put("link_utilisation.png", link_utilisation(run))
         put("ttft_cdf.png", ttft_cdf(run))
     elif kind == "compare":
-        from sim.io.results import load_results
-
         runs = {lg: load_results(src / lg) for lg in ("old", "new")}
         put("old_vs_new.png", old_vs_new(src, runs=runs))
         put("ttft_cdf.png", ttft_cdf([runs["old"], runs["new"]], [_LOGIC_NAMES["old"], _LOGIC_NAMES["new"]],
@@ -1074,26 +1040,3 @@ def layout_problems(fig: Figure, tolerance_px: float = 0.5) -> list[str]:
             if w > tol and h > tol:
                 problems.append(f"{da} overlaps {db}")
     return problems
-
-
-# -- command line -------------------------------------------------------------------------
-
-
-def add_plot_parser(sub: Any) -> None:
-    """``kvsim plot RESULTS_DIR [--out DIR]``."""
-    p = sub.add_parser("plot", help="write the PNG figures of a run, compare or sweep folder")
-    p.add_argument("results_dir", metavar="RESULTS_DIR",
-                   help="a folder written by kvsim run, kvsim compare or kvsim sweep")
-    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RESULTS_DIR/plots)")
-    p.set_defaults(func=cmd_plot)
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    """Write the figures and print their paths, one per line (exit 2 on a folder of no known kind)."""
-    folder = Path(args.results_dir)
-    if not folder.is_dir():
-        raise InputError(str(folder), "", "not a directory",
-                         "a folder written by kvsim run, kvsim compare or kvsim sweep")
-    for path in write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr)):
-        print(path)
-    return 0

@@ -67,7 +67,7 @@ def run_library(root: Path, jobs: int | None = None) -> list[CaseResult]:
         return list(pool.map(run_case, paths, chunksize=max(1, len(paths) // (4 * workers))))
 
 
-def format_table(results: list[CaseResult], root: Path) -> str:
+def library_table(results: list[CaseResult], root: Path) -> str:
     """A plain-text table: case, OLD outcome, NEW outcome, verdict, then diffs."""
     rows = [("case", "old", "new", "result")]
     for r in results:

@@ -34,7 +34,7 @@ What it does
     the key (``sweep.grid."cpu_cache.policy"``) and what is allowed.
 
 Running (:func:`run_sweep`)
-    Each point is one ordinary run (:func:`sim.io.results.execute`) written to
+    Each point is one ordinary run (:func:`sim.tools.run.execute`) written to
     ``<out>/points/<NNN>-<slug>/`` through :class:`~sim.io.results.RunWriter`
     (temporary folder, then rename: a folder that exists is complete). The
     backends run the same top-level function :func:`run_point` on plain data:
@@ -77,34 +77,42 @@ Invariants
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import ctypes
 import json
+import logging
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import threading
+import tomllib
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from sim.errors import InputError
-from sim.io.results import RunWriter, write_text_atomic
-from sim.io.scenario import (
-    MooncakeWorkload,
-    RunSpec,
-    _check_schema,
-    apply_overrides,
-    build_run,
-    kvsim_version,
-    located,
-    read_toml,
+from sim.io.results import RunWriter, load_results, write_text_atomic
+from sim.io.scenario import RunSpec, build_run
+from sim.io.sweepfile import (
+    HEAD_COLUMNS,
+    RESOLVED_COLUMNS,
+    Sweep,
+    SweepPoint,
+    cell_text,
+    describe_sweep,
+    read_sweep,
 )
+from sim.tools.run import execute
 
 if TYPE_CHECKING:
     from sim.io.results import RunResults
@@ -116,7 +124,6 @@ __all__ = [
     "SweepPoint",
     "SweepReport",
     "SweepResults",
-    "add_sweep_parser",
     "describe_sweep",
     "load_sweep",
     "read_sweep",
@@ -124,346 +131,9 @@ __all__ = [
     "run_sweep",
 ]
 
-#: columns every sweep table has, resolved from each point's scenario
-RESOLVED_COLUMNS = ("model", "hardware", "workload", "cpu_cache_bytes", "cpu_cache_policy", "window_logic",
-                    "blocks_per_chunk", "h2d_bytes_per_s", "d2h_bytes_per_s", "seed")
-HEAD_COLUMNS = ("point", "run_id", "run_dir", "status", "error")
-#: keys a sweep may not vary (the point's name is its run id)
-_FIXED_KEYS = ("schema", "name", "kvsim_version")
-#: keys (and tables holding such a key) whose values are paths relative to the sweep file
-_PATH_KEYS = {"workload": "path", "model": "path", "hardware": "profile"}
 _TMP_RE = re.compile(r"^\..+\.(tmp|old)-\d+$")
 _PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "compression_level": 3, "use_dictionary": True,
                                     "write_statistics": True, "write_page_index": False}
-
-
-# -- the file ---------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class SweepSection(_Strict):
-    """``[sweep]``: what varies."""
-
-    grid: dict[str, Any] | None = Field(default=None, description="dotted key -> list of values (product)")
-    points: list[dict[str, Any]] | None = Field(default=None, min_length=1,
-                                                description="explicit points: {dotted key = value}")
-    set_: dict[str, Any] = Field(default_factory=dict, alias="set",
-                                 description="dotted key -> value applied to every point after its values")
-
-
-class SmokeSection(_Strict):
-    """``[smoke]``: the quick version (``kvsim sweep --smoke``)."""
-
-    points: int | None = Field(default=None, gt=0, description="evenly spread points kept (default: all)")
-    set_: dict[str, Any] = Field(default_factory=dict, alias="set",
-                                 description="dotted key -> value applied to every point last")
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    """One point of a sweep.
-
-    Attributes:
-        index: its position in the full sweep (``NNN`` of the folder).
-        run_id: the folder name under ``points/`` (also the run's ``name``).
-        values: swept key -> value as given in the file.
-        data: the raw ``run/1`` data of the point (validated).
-        spec: the resolved run.
-        resolved_toml: the resolved scenario (the resume check compares it).
-    """
-
-    index: int
-    run_id: str
-    values: dict[str, Any]
-    data: dict[str, Any]
-    spec: RunSpec
-    resolved_toml: str
-
-    def resolved_columns(self) -> dict[str, Any]:
-        """The values of :data:`RESOLVED_COLUMNS` for this point."""
-        spec = self.spec
-        sc = spec.scenario
-        wl = sc.workload
-        workload = Path(wl.path).name if isinstance(wl, MooncakeWorkload) else wl.kind
-        return {"model": spec.model.label, "hardware": spec.hardware.name, "workload": workload,
-                "cpu_cache_bytes": spec.cpu_cache_bytes, "cpu_cache_policy": sc.cpu_cache.policy,
-                "window_logic": sc.window_logic, "blocks_per_chunk": sc.scheduler.blocks_per_chunk,
-                "h2d_bytes_per_s": float(spec.hardware.h2d_bandwidth),
-                "d2h_bytes_per_s": float(spec.hardware.d2h_bandwidth), "seed": sc.seed}
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """A validated sweep.
-
-    Attributes:
-        source: the sweep file.
-        name: the sweep's name (``name``, else the file stem).
-        keys: the swept keys that have their own column (in column order).
-        swept: every swept key, in order.
-        points: the points to run (all, or the smoke selection).
-        total: the number of points of the full sweep.
-        smoke: whether ``--smoke`` selected and shrank them.
-        text: the resolved sweep (``sweep.toml``).
-    """
-
-    source: Path
-    name: str
-    keys: tuple[str, ...]
-    swept: tuple[str, ...]
-    points: tuple[SweepPoint, ...]
-    total: int
-    smoke: bool
-    text: str
-
-
-def _q(key: str) -> str:
-    return f'"{key}"' if "." in key else key
-
-
-def _flatten_grid(grid: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for k, v in grid.items():
-        if isinstance(v, dict):
-            yield from _flatten_grid(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def _check_key(key: str, where: str, source: str) -> None:
-    if key.partition(".")[0] in _FIXED_KEYS:
-        raise InputError(source, where, f"{key!r} cannot be swept",
-                         "any other run/1 key (a point's name is its run id)")
-
-
-def _text(value: Any) -> str:
-    """A value as one short token (for slugs and the printed table)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        for k in ("name", "label", "profile"):
-            if isinstance(value.get(k), str):
-                return Path(value[k]).stem
-        if isinstance(value.get("path"), str):
-            return Path(value["path"]).stem
-        if isinstance(value.get("kind"), str):
-            return str(value["kind"])
-        return "table"
-    if isinstance(value, list):
-        return "list"
-    return str(value)
-
-
-def _slug(values: dict[str, Any]) -> str:
-    parts = [f"{k.rpartition('.')[2]}_{_text(v)}" for k, v in values.items()]
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts)).strip("_.-")
-    return slug[:80].rstrip("_.-") or "point"
-
-
-def _spread(n: int, k: int) -> list[int]:
-    """``k`` evenly spread indices of ``range(n)``, first and last included."""
-    if k >= n:
-        return list(range(n))
-    if k == 1:
-        return [0]
-    return [i * (n - 1) // (k - 1) for i in range(k)]
-
-
-def _set_key(data: dict[str, Any], key: str, value: Any, source: str, where: str) -> None:
-    """Set a dotted key (checked like ``--set``) to a TOML value; a table replaces the table."""
-    try:
-        apply_overrides(data, [(source, f"{key}=0")])
-    except InputError as exc:
-        raise InputError(source, where, f"{exc.problem} ({exc.key})", exc.allowed) from None
-    parts = key.split(".")
-    table = data
-    for part in parts[:-1]:
-        table = table[part]
-    table[parts[-1]] = copy.deepcopy(value)
-
-
-def _absolute(key: str, value: Any, base: Path) -> Any:
-    """A value with its paths relative to the sweep file made absolute (for ``sweep.toml``)."""
-    section, _, leaf = key.partition(".")
-    if isinstance(value, dict) and not leaf and section in _PATH_KEYS:
-        name = _PATH_KEYS[section]
-        if isinstance(value.get(name), str):
-            return {**value, name: _absolute(f"{section}.{name}", value[name], base)}
-        return value
-    if isinstance(value, str) and _PATH_KEYS.get(section) == leaf:
-        if section == "hardware" and "/" not in value and not value.endswith(".toml"):
-            return value  # a shipped profile name
-        return str((base / value).resolve())
-    return value
-
-
-def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = (),
-               smoke: bool = False) -> Sweep:
-    """Read a ``sweep/1`` file, expand and validate every point.
-
-    Args:
-        path: the sweep file.
-        overrides: ``--set`` items applied to the base (``"key=value"`` or
-            ``(option, "key=value")``); a swept key cannot be overridden.
-        smoke: keep the ``[smoke]`` selection and apply its ``set``.
-
-    Raises:
-        InputError: anything wrong in the file, a point, or the overrides.
-    """
-    import tomli_w
-
-    p = Path(path)
-    source = str(p)
-    if smoke:
-        read_sweep(p, overrides)  # every point of the full sweep is valid, not only the smoke selection
-    data = read_toml(p)
-    _check_schema(data, source, "sweep/1")
-    raw_sweep = data.pop("sweep", None)
-    raw_smoke = data.pop("smoke", None)
-    data.pop("resolved", None)  # written by kvsim into sweep.toml, informational
-    if not isinstance(raw_sweep, dict):
-        raise InputError(source, "sweep", "required table missing" if raw_sweep is None else "not a table",
-                         "a [sweep] table with grid and/or points")
-    sec = _model(SweepSection, raw_sweep, source, "sweep.")
-    sm = _model(SmokeSection, raw_smoke if raw_smoke is not None else {}, source, "smoke.")
-    if sec.grid is None and sec.points is None:
-        raise InputError(source, "sweep", "neither grid nor points given", "grid and/or points")
-    grid: list[tuple[str, list[Any]]] = []
-    for key, values in _flatten_grid(sec.grid or {}):
-        where = f"sweep.grid.{_q(key)}"
-        _check_key(key, where, source)
-        if not isinstance(values, list) or not values:
-            raise InputError(source, where, f"{values!r} is not a list of values",
-                             'a non-empty list, e.g. ["64GiB", "128GiB"]')
-        seen: set[str] = set()
-        for v in values:
-            tag = json.dumps(v, sort_keys=True, default=str)
-            if tag in seen:
-                raise InputError(source, where, f"{v!r} appears twice", "distinct values")
-            seen.add(tag)
-        grid.append((key, values))
-    grid_keys = [k for k, _ in grid]
-    explicit = sec.points if sec.points is not None else [{}]
-    for i, point in enumerate(sec.points or []):
-        for key in point:
-            _check_key(key, f"sweep.points[{i}].{_q(key)}", source)
-            if key in grid_keys:
-                raise InputError(source, f"sweep.points[{i}].{_q(key)}", "also a key of sweep.grid",
-                                 "each key in either grid or points")
-    for key in (*sec.set_, *(sm.set_ if smoke else {})):
-        _check_key(key, key, source)
-
-    # the base, with --set applied
-    base = {**data, "schema": "run/1"}
-    touched = apply_overrides(base, overrides)
-    swept = list(dict.fromkeys([k for pt in explicit for k in pt] + grid_keys))
-    for key, option in touched.items():
-        hit = [k for k in swept if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
-        if hit:
-            raise InputError(option, key, f"swept by the sweep ({hit[0]})", "a key the sweep does not vary")
-
-    combos: list[tuple[dict[str, Any], dict[str, str]]] = []
-    for i, point in enumerate(explicit):
-        for row in _product(grid):
-            values = {**point, **row}
-            origin = {k: (f"sweep.points[{i}].{_q(k)}" if k in point else f"sweep.grid.{_q(k)}")
-                      for k in values}
-            combos.append((values, origin))
-    total = len(combos)
-    keep = _spread(total, sm.points or total) if smoke else list(range(total))
-    width = max(3, len(str(total - 1)))
-    points = []
-    for index in keep:
-        values, origin = combos[index]
-        run_id = f"{index:0{width}d}-{_slug(values)}"
-        d = copy.deepcopy(base)
-        for key, value in values.items():
-            _set_key(d, key, value, source, origin[key])
-        for key, value in sec.set_.items():
-            _set_key(d, key, value, source, f"sweep.set.{_q(key)}")
-        if smoke:
-            for key, value in sm.set_.items():
-                _set_key(d, key, value, source, f"smoke.set.{_q(key)}")
-        d["name"] = run_id
-        spec = _build_point(d, p, touched, values, origin, index)
-        points.append(SweepPoint(index, run_id, values, d, spec, spec.resolved_toml()))
-    name = data.get("name", p.stem)
-    if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):
-        raise InputError(source, "name", f"{name!r} is invalid",
-                         "letters, digits, '.', '_', '-', starting with a letter or digit")
-    keys = tuple(k for k in swept if k not in RESOLVED_COLUMNS)
-    folder = p.resolve().parent
-    resolved_base = {k: v for k, v in base.items() if k != "schema"}
-    for section, leaf in _PATH_KEYS.items():
-        table = resolved_base.get(section)
-        if isinstance(table, dict) and isinstance(table.get(leaf), str):
-            resolved_base[section] = {**table, leaf: _absolute(f"{section}.{leaf}", table[leaf], folder)}
-    doc: dict[str, Any] = {"schema": "sweep/1", **resolved_base}
-    sweep_doc: dict[str, Any] = {}
-    if sec.grid is not None:
-        sweep_doc["grid"] = {k: [_absolute(k, v, folder) for v in vs] for k, vs in grid}
-    if sec.points is not None:
-        sweep_doc["points"] = [{k: _absolute(k, v, folder) for k, v in pt.items()} for pt in sec.points]
-    if sec.set_:
-        sweep_doc["set"] = dict(sec.set_)
-    doc["sweep"] = sweep_doc
-    if raw_smoke is not None:
-        doc["smoke"] = raw_smoke
-    doc["resolved"] = {"source": str(p.resolve()), "smoke": smoke, "kvsim_version": kvsim_version(),
-                       "points": [{"point": pt.index, "run_id": pt.run_id} for pt in points]}
-    head = ("# The sweep as run by kvsim sweep (base with --set applied, paths absolute); "
-            "[resolved] is informational.\n")
-    return Sweep(source=p, name=str(name), keys=keys, swept=tuple(swept), points=tuple(points), total=total,
-                 smoke=smoke, text=head + tomli_w.dumps(doc))
-
-
-def _model(cls: type[SweepSection] | type[SmokeSection], raw: Any, source: str, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise InputError(source, prefix.rstrip("."), "not a table", "a table")
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        raise located(exc, source, cls, prefix) from None
-
-
-def _product(grid: list[tuple[str, list[Any]]]) -> Iterator[dict[str, Any]]:
-    import itertools
-
-    keys = [k for k, _ in grid]
-    for combo in itertools.product(*(vs for _, vs in grid)):
-        yield dict(zip(keys, combo, strict=True))
-
-
-def _build_point(data: dict[str, Any], path: Path, touched: dict[str, str], values: dict[str, Any],
-                 where: dict[str, str], index: int) -> RunSpec:
-    source = str(path)
-    try:
-        return build_run(data, path, touched)
-    except InputError as exc:
-        if exc.source != source:
-            raise
-        shown = ", ".join(f"{k} = {json.dumps(v, default=str)}" for k, v in values.items())
-        owner = next((k for k in values if exc.key == k or exc.key.startswith(k + ".")
-                      or k.startswith(exc.key + ".")), None)
-        if owner is not None:
-            raise InputError(source, where[owner], f"{exc.problem} (point {index}: {exc.key})",
-                             exc.allowed) from None
-        raise InputError(source, exc.key, f"{exc.problem} (point {index}: {shown})", exc.allowed) from None
-
-
-def describe_sweep(path: Path) -> str:
-    """One line for ``kvsim validate``: the sweep's size and what varies (every point validated)."""
-    full = read_sweep(path)
-    smoke = read_toml(path).get("smoke")
-    extra = ""
-    if isinstance(smoke, dict):
-        picked = _spread(full.total, int(smoke.get("points") or full.total))
-        extra = f"; smoke: {len(picked)} points"
-    keys = ", ".join(full.swept)
-    return f"sweep/1: {full.name!r}, {full.total} points over {keys or 'nothing'}{extra}"
-
 
 # -- one point ----------------------------------------------------------------------------------
 
@@ -495,9 +165,6 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
     exception become a failed point with its folder (``summary.json`` status
     ``"failed"``), never an exception.
     """
-    import traceback
-
-    from sim.io.results import execute
 
     index = int(task["index"])
     target = Path(task["target"])
@@ -522,8 +189,6 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
-            import ctypes
-
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -551,8 +216,6 @@ def _cell(value: Any) -> Any:
 
 
 def _column(values: list[Any]) -> Any:
-    import pyarrow as pa
-
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -562,8 +225,6 @@ def _column(values: list[Any]) -> Any:
 
 def build_table(sweep: Sweep, done: dict[int, dict[str, Any]]) -> Any:
     """The sweep table (a ``pyarrow.Table``) of the points in ``done`` (index -> summary), in point order."""
-    import pyarrow as pa
-
     rows = [(pt, done[pt.index]) for pt in sweep.points if pt.index in done]
     flats = [_flat(s) if s.get("status") == "ok" else {} for _, s in rows]
     ok = [s.get("status") == "ok" for _, s in rows]
@@ -591,8 +252,6 @@ def build_table(sweep: Sweep, done: dict[int, dict[str, Any]]) -> Any:
 
 def write_table(sweep: Sweep, done: dict[int, dict[str, Any]], out: Path) -> Path:
     """Write ``sweep.parquet`` atomically (deterministic bytes)."""
-    import pyarrow.parquet as pq
-
     path = out / "sweep.parquet"
     tmp = out / f".sweep.parquet.tmp-{os.getpid()}"
     try:
@@ -724,7 +383,7 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         raise InputError("argument", "--jobs", f"{jobs}", "an integer >= 1")
     if address is not None and backend != "ray":
         raise InputError("argument", "--address", "only with --backend ray", "--backend ray --address ADDR")
-    ray = _import_ray() if backend == "ray" else None
+    ray = import_ray() if backend == "ray" else None
     out = Path(out).resolve()
     finished, stale = _survey(sweep, out, overwrite)
     (out / "points").mkdir(parents=True, exist_ok=True)
@@ -779,8 +438,6 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
 
 
 def _is_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -800,9 +457,6 @@ def _run_here(tasks: list[dict[str, Any]], done: Callable[[dict[str, Any]], None
 
 
 def _run_pool(tasks: list[dict[str, Any]], jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init)
     me = os.getpid()
@@ -831,9 +485,9 @@ def _run_pool(tasks: list[dict[str, Any]], jobs: int, done: Callable[[dict[str, 
     pool.shutdown(wait=True)
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
     try:
-        import ray
+        import ray  # noqa: PLC0415 -- Ray is an optional extra
     except ImportError:
         raise InputError("argument", "--backend", "ray is not installed",
                          "pip install 'kvsim[ray]', or --backend local") from None
@@ -842,8 +496,6 @@ def _import_ray() -> Any:
 
 def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: str | None,
              done: Callable[[dict[str, Any]], None]) -> None:
-    import logging
-
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
@@ -909,8 +561,6 @@ class SweepResults:
         Raises:
             KeyError: no such point in the table.
         """
-        from sim.io.results import load_results
-
         t = self.table
         rows = t[t["point"] == which] if isinstance(which, int) else t[t["run_id"] == which]
         if len(rows) != 1:
@@ -924,9 +574,6 @@ def load_sweep(path: str | Path) -> SweepResults:
     Raises:
         InputError: no ``sweep.parquet`` there.
     """
-    import tomllib
-
-    import pyarrow.parquet as pq
 
     folder = Path(path)
     if folder.is_file() and folder.name == "sweep.parquet":
@@ -940,76 +587,7 @@ def load_sweep(path: str | Path) -> SweepResults:
     return SweepResults(path=folder, table=pq.read_table(table_file).to_pandas(), spec=spec)
 
 
-# -- command line ---------------------------------------------------------------------------------
-
-
-def add_sweep_parser(sub: Any) -> None:
-    """``kvsim sweep FILE``: run a sweep/1 file."""
-    from sim.cli import add_override_options
-
-    p = sub.add_parser("sweep", help="run a sweep (sweep/1 file): many runs, resumable, one table")
-    p.add_argument("file", metavar="FILE", help="sweep/1 TOML")
-    p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="points in parallel (default: CPU count; with Ray: as the cluster allows)")
-    p.add_argument("--backend", choices=["local", "ray"], default="local",
-                   help="local processes (default) or Ray tasks")
-    p.add_argument("--address", metavar="ADDR", help="join this Ray cluster (with --backend ray)")
-    p.add_argument("--out", metavar="DIR", help="the sweep folder (default: results/<name>, --smoke: "
-                   "results/<name>-smoke)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace point folders that no longer match the sweep")
-    p.add_argument("--smoke", action="store_true", help="the [smoke] version: few points, small runs")
-    add_override_options(p, "a key of the base scenario", seed=False)
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_sweep)
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    """Exit 0 when every point ran ok, 1 when a point failed, 130 on Ctrl-C (143 on SIGTERM)."""
-    if args.jobs is not None and args.jobs < 1:
-        raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
-    if args.address is not None and args.backend != "ray":
-        raise InputError("argument", "--address", "only with --backend ray", "--backend ray --address ADDR")
-    if args.backend == "ray":
-        _import_ray()
-    sweep = read_sweep(Path(args.file), args.overrides or [], smoke=args.smoke)
-    out = Path(args.out) if args.out else Path("results") / (sweep.name + ("-smoke" if args.smoke else ""))
-    quiet = args.quiet or not sys.stderr.isatty()
-    bar: Any = None
-
-    def on_start(skipped: int, todo: int) -> None:
-        nonlocal bar
-        where = f"Ray{' at ' + args.address if args.address else ''}" if args.backend == "ray" else "local"
-        print(f"kvsim sweep: {len(sweep.points)} points{' (smoke)' if sweep.smoke else ''}: "
-              f"{skipped} skipped (finished earlier), {todo} to run ({where}) -> {out}", file=sys.stderr)
-        if not quiet and todo:
-            from tqdm import tqdm
-
-            bar = tqdm(total=todo, unit="pt", desc=sweep.name, file=sys.stderr, dynamic_ncols=True)
-
-    def progress(n: int, total: int) -> None:
-        if bar is not None:
-            bar.update(n - bar.n)
-
-    try:
-        report = run_sweep(sweep, out, jobs=args.jobs, backend=args.backend, address=args.address,
-                           overwrite=args.overwrite, progress=progress, on_start=on_start, argv=sys.argv)
-    finally:
-        if bar is not None:
-            bar.close()
-    print(format_table(sweep, report))
-    if report.interrupted is not None:
-        print(f"kvsim sweep: interrupted; {len(report.summaries)} of {len(sweep.points)} points in "
-              f"{report.out / 'sweep.parquet'}; run the same command again to finish", file=sys.stderr)
-        return 128 + int(report.interrupted)
-    if report.failed:
-        print(f"kvsim sweep: {len(report.failed)} point(s) failed: {', '.join(report.failed[:5])}"
-              f"{' ...' if len(report.failed) > 5 else ''}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def format_table(sweep: Sweep, report: SweepReport) -> str:
+def sweep_table(sweep: Sweep, report: SweepReport) -> str:
     """The points as plain aligned text: point, parameters, status, CPU hit rate, TTFT p50."""
     head = ["point", *sweep.swept, "status", "cpu hit", "ttft p50"]
     rows = [head]
@@ -1025,7 +603,8 @@ def format_table(sweep: Sweep, report: SweepReport) -> str:
             status = "ok"
             hit = "-" if rate is None else f"{100 * rate:.1f}%"
             ttft = "-" if p50 is None else f"{1000 * p50:.1f} ms"
-        rows.append([str(pt.index), *(_text(pt.values.get(k, "")) for k in sweep.swept), status, hit, ttft])
+        values = (cell_text(pt.values.get(k, "")) for k in sweep.swept)
+        rows.append([str(pt.index), *values, status, hit, ttft])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines) + f"\nresults  {report.out}"

@@ -16,8 +16,8 @@ from sim.io.scenario import (
     parse_bandwidth,
     parse_size,
     scenarios_dir,
-    validate_file,
 )
+from sim.io.validate import validate_file
 from sim.io.workload import MultiTurnParams
 from sim.model.costs import (
     GPU_PROFILES,

@@ -24,8 +24,8 @@ from sim.errors import InputError
 from sim.tools.compare import (
     DIVERGED_COLUMNS,
     compare_runs,
+    compare_table,
     describe_divergence,
-    format_table,
     list_reproducers,
     load_compare,
     verify_reproducer,
@@ -219,7 +219,7 @@ def test_old_crash_diverges_with_reproducer(spec6: Path, tmp_path: Path) -> None
     md = res.report.read_text()
     assert "1 of 2 requests" in md and "OLD crashed (missing_chunk), NEW loaded nothing" in md
     assert f"`old/{rep['file']}`" in md and "crash missing_chunk (group 1, chunk 14)" in md
-    table = format_table(res.figures)
+    table = compare_table(res.figures)
     assert "1 (missing_chunk 1; first at 1.000 s)" in table
     assert "r000000: OLD crashed (missing_chunk), NEW loaded nothing" in table
 

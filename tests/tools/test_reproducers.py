@@ -11,8 +11,8 @@ import pytest
 from sim.cli import main
 from sim.engine.loop import EngineConfig, RunResult, _Engine
 from sim.engine.metrics import MemorySink, Recorder
-from sim.io.results import write_reproducers
 from sim.model.costs import StepCostModel
+from sim.tools.run import write_reproducers
 from tests.engine.worlds import SPEC6, crash_world, req
 
 

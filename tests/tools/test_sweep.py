@@ -21,7 +21,7 @@ import pytest
 import sim
 from sim.cli import main
 from sim.errors import InputError
-from sim.io.scenario import validate_file
+from sim.io.validate import validate_file
 from sim.tools.sweep import HEAD_COLUMNS, RESOLVED_COLUMNS, read_sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
