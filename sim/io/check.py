@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from sim.errors import InputError
+from sim.io.schema import GroupEntry, Strict
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache
 from sim.model.gpu_cache import Block, GpuKVCache
-from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
+from sim.model.layout import Layout, LayoutError, cdiv
 from sim.model.windows import profile
 
 __all__ = [
@@ -56,24 +57,11 @@ ChunkStateName = Literal["present", "pending", "loading", "retry"]
 Logic = Literal["old", "new"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class CheckGroup(GroupEntry):
+    """One KV cache group of a check scenario (the fields of :class:`~sim.io.schema.GroupEntry`)."""
 
 
-class CheckGroup(_Strict):
-    """One KV cache group of a check scenario."""
-
-    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(
-        description="attention kind")
-    tokens_per_block: int = Field(gt=0, description="GPU block size in tokens")
-    window: int | None = Field(None, gt=0, description="sliding window in tokens (sliding_window)")
-    attention_chunk: int | None = Field(None, gt=0, description="attention chunk in tokens (chunked_local)")
-    extra_retained_tokens: int = Field(
-        0, ge=0, description="tokens kept left of the window (multi-module MTP)")
-    eagle: bool = Field(False, description="group holds EAGLE/MTP draft KV")
-
-
-class Expectation(_Strict):
+class Expectation(Strict):
     """Expected outcome under one logic; keys left out are not compared."""
 
     external_tokens: int | None = Field(None, ge=0, description="tokens to load (not deferred)")
@@ -87,7 +75,7 @@ class Expectation(_Strict):
     hazards: list[Literal["double_load"]] | None = None
 
 
-class CheckScenario(_Strict):
+class CheckScenario(Strict):
     """A ``check/1`` scenario (see the module docstring)."""
 
     schema_: Literal["check/1"] = Field(alias="schema", description="format and version")
@@ -109,10 +97,7 @@ class CheckScenario(_Strict):
         return self
 
     def layout(self) -> Layout:
-        return Layout.of(
-            [GroupSpec(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
-                       g.extra_retained_tokens, g.eagle) for g in self.groups],
-            self.tokens_per_hash, self.blocks_per_chunk)
+        return Layout.of([g.spec() for g in self.groups], self.tokens_per_hash, self.blocks_per_chunk)
 
     def logics(self) -> tuple[Logic, ...]:
         return ("old", "new") if self.window_logic == "both" else (self.window_logic,)

@@ -92,7 +92,6 @@ import tomli_w
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -102,6 +101,7 @@ from pydantic import (
 
 from sim.engine.loop import CopyPathConfig, EngineConfig
 from sim.errors import InputError
+from sim.io.schema import GroupEntry, Strict
 from sim.io.traces import BadLines, detect_format
 from sim.io.workload import (
     AGENTIC,
@@ -127,7 +127,7 @@ from sim.model.costs import (
     step_model_for,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
-from sim.model.layout import DTYPE_BYTES, GroupKind, GroupSpec, KVShape, Layout, LayoutError
+from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutError
 
 if TYPE_CHECKING:
     from sim.engine.loop import EngineConfig
@@ -246,10 +246,6 @@ def _check_dtype(value: object) -> object:
 # -- schema -----------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
 def _exactly_one(obj: BaseModel, names: Sequence[str], *, at_most: bool = False) -> None:
     given = [n for n in names if getattr(obj, n) is not None]
     if len(given) > 1 or (not at_most and not given):
@@ -258,17 +254,9 @@ def _exactly_one(obj: BaseModel, names: Sequence[str], *, at_most: bool = False)
                             f"{'at most' if at_most else 'exactly'} one of {', '.join(names)}")
 
 
-class ModelGroup(_Strict):
+class ModelGroup(GroupEntry):
     """One KV cache group with its tensor shape (per model, before sharding)."""
 
-    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(description="attention kind")
-    tokens_per_block: int = Field(gt=0, description="GPU block size in tokens (vLLM block_size)")
-    window: int | None = Field(default=None, gt=0,
-                               description="sliding window in tokens (sliding_window only)")
-    attention_chunk: int | None = Field(default=None, gt=0,
-                                        description="attention chunk in tokens (chunked_local)")
-    extra_retained_tokens: int = Field(default=0, ge=0, description="tokens kept left of the window (MTP)")
-    eagle: bool = Field(default=False, description="the group holds EAGLE/MTP draft KV")
     layers: int = Field(gt=0, description="attention layers in the group")
     kv_heads: int = Field(gt=0, description="KV heads per layer, whole model (before TP sharding)")
     head_size: int = Field(gt=0, description="head dimension")
@@ -276,7 +264,7 @@ class ModelGroup(_Strict):
     mla: bool = Field(default=False, description="MLA: one latent vector per token instead of K and V")
 
 
-class _ModelInfo(_Strict):
+class _ModelInfo(Strict):
     cost_profile: str | None = Field(default=None, description="key of sim.model.costs.MODEL_COST_PROFILES")
     params_b: float | None = Field(default=None, gt=0,
                                    description="parameters in billions (weights estimate)")
@@ -308,7 +296,7 @@ class ModelSection(_ModelInfo):
         return self
 
 
-class HardwareFile(_Strict):
+class HardwareFile(Strict):
     """A ``hardware/1`` file: one GPU of a serving node and its host link."""
 
     schema_: Literal["hardware/1"] = Field(alias="schema", description="format and version")
@@ -324,7 +312,7 @@ class HardwareFile(_Strict):
     d2h_latency_s: float = Field(ge=0, description="fixed cost of one store job")
 
 
-class HardwareSection(_Strict):
+class HardwareSection(Strict):
     """``[hardware]`` of a run: a profile and overrides."""
 
     profile: str = Field(default="h200",
@@ -343,7 +331,7 @@ class HardwareSection(_Strict):
         return self
 
 
-class CpuCacheSection(_Strict):
+class CpuCacheSection(Strict):
     """``[cpu_cache]``: the CPU chunk cache."""
 
     capacity: Size | None = Field(default=None, ge=0, description="host bytes for all workers")
@@ -356,7 +344,7 @@ class CpuCacheSection(_Strict):
         return self
 
 
-class SchedulerSection(_Strict):
+class SchedulerSection(Strict):
     """``[scheduler]``: vLLM scheduler and connector options."""
 
     max_num_batched_tokens: int = Field(default=8192, gt=0, description="token budget per step")
@@ -371,7 +359,7 @@ class SchedulerSection(_Strict):
     fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
 
 
-class _Transforms(_Strict):
+class _Transforms(Strict):
     """Keys every workload takes: how many requests and how dense."""
 
     limit: int | None = Field(default=None, gt=0, description="requests at most")
@@ -436,7 +424,7 @@ class MooncakeWorkload(_Transforms):
     skip_bad: bool = Field(default=False, description="skip bad lines, counted in the summary")
 
 
-class StepTable(_Strict):
+class StepTable(Strict):
     """An explicit step-time model (seconds)."""
 
     overhead_s: float = Field(default=0.0, ge=0, description="per step")
@@ -449,7 +437,7 @@ def _step_tag(v: object) -> str:
     return "step-table" if isinstance(v, dict | StepTable) else "step-name"
 
 
-class CostsSection(_Strict):
+class CostsSection(Strict):
     """``[costs]``: step-time and transfer-time models."""
 
     step: Annotated[
@@ -460,7 +448,7 @@ class CostsSection(_Strict):
     tensor_parallel: int = Field(default=1, gt=0, description="GPUs per model replica (also shards KV heads)")
 
 
-class CopyPathSection(_Strict):
+class CopyPathSection(Strict):
     """``[copy_path]``: the torch data path (:mod:`sim.engine.copypath`; needs torch)."""
 
     enabled: bool = Field(default=False, description="run every transfer on real tensors, verify reads")
@@ -473,7 +461,7 @@ class CopyPathSection(_Strict):
                                       description="refuse tensors larger than this (default: available)")
 
 
-class OutputSection(_Strict):
+class OutputSection(Strict):
     """``[output]``: what is recorded and when the run stops."""
 
     occupancy_interval_s: float = Field(default=1.0, gt=0, description="occupancy sampling period")
@@ -484,7 +472,7 @@ class OutputSection(_Strict):
 Workload = Annotated[MultiTurnWorkload | UniformWorkload | MooncakeWorkload, Field(discriminator="kind")]
 
 
-class RunScenario(_Strict):
+class RunScenario(Strict):
     """A ``run/1`` file (see the module docstring)."""
 
     schema_: Literal["run/1"] = Field(alias="schema", description="format and version")
@@ -859,9 +847,7 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
 
 def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
     heads = 1 if g.mla else max(1, g.kv_heads // tp)
-    shape = KVShape(g.layers, heads, g.head_size, DTYPE_BYTES[g.dtype], g.mla)
-    return GroupSpec(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
-                     g.extra_retained_tokens, g.eagle, shape=shape)
+    return g.spec(KVShape(g.layers, heads, g.head_size, DTYPE_BYTES[g.dtype], g.mla))
 
 
 def _layout(groups: Sequence[ModelGroup], tph: int, bpc: int, tp: int, source: str, prefix: str,

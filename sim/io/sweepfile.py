@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from sim.errors import InputError
 from sim.io.scenario import (
@@ -32,6 +32,7 @@ from sim.io.scenario import (
     located,
     read_toml,
 )
+from sim.io.schema import Strict
 
 __all__ = ["SmokeSection", "Sweep", "SweepPoint", "SweepSection", "describe_sweep", "read_sweep", "spread"]
 
@@ -47,11 +48,7 @@ RESOLVED_COLUMNS = ("model", "hardware", "workload", "cpu_cache_bytes", "cpu_cac
 HEAD_COLUMNS = ("point", "run_id", "run_dir", "status", "error")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class SweepSection(_Strict):
+class SweepSection(Strict):
     """``[sweep]``: what varies."""
 
     grid: dict[str, Any] | None = Field(default=None, description="dotted key -> list of values (product)")
@@ -61,7 +58,7 @@ class SweepSection(_Strict):
                                  description="dotted key -> value applied to every point after its values")
 
 
-class SmokeSection(_Strict):
+class SmokeSection(Strict):
     """``[smoke]``: the quick version (``kvsim sweep --smoke``)."""
 
     points: int | None = Field(default=None, gt=0, description="evenly spread points kept (default: all)")
