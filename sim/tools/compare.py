@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -336,6 +335,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _clean(v: Any) -> Any:
     """pandas scalars as plain Python values, missing as None."""
+    import pandas as pd  # noqa: PLC0415 -- pandas loads only for tables, so `kvsim check` starts light
+
     if v is None:
         return None
     try:
@@ -438,6 +439,8 @@ def _rows_by_id(frame: Any) -> dict[str, dict[str, Any]]:
 def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
     """The requests whose outcome differs, one row each (columns :data:`DIVERGED_COLUMNS`),
     ordered by arrival time, then request id."""
+    import pandas as pd  # noqa: PLC0415 -- pandas loads only for tables, so `kvsim check` starts light
+
     rows = {"old": _rows_by_id(old_requests), "new": _rows_by_id(new_requests)}
     absent = {c: None for c, _ in _OUTCOME} | {"status": "absent", "arrival_s": None}
     compared = [c for c, _ in _OUTCOME if c != "ttft_s"]

@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 import numpy as np
-import pandas as pd
 import pyarrow.parquet as pq
 
 from sim.errors import InputError
@@ -590,6 +589,8 @@ def _varying(df: Any, exclude: Sequence[str] = ()) -> list[str]:
 def _read_sweep(sweep: Any) -> tuple[Any, Path | None, str]:
     """(table, folder, name) from a sweep folder, a :func:`sim.load_sweep` result
     or an already-read ``sweep.parquet`` DataFrame."""
+    import pandas as pd  # noqa: PLC0415 -- pandas loads only for tables, so `kvsim check` starts light
+
 
     if isinstance(sweep, pd.DataFrame):
         return sweep, None, "sweep"

@@ -208,11 +208,12 @@ def test_same_seed_gives_identical_files(tmp_path: Path):
 
 def test_engine_failure_leaves_a_failed_summary(in_tmp: Path, capsys, monkeypatch: pytest.MonkeyPatch):
     import sim.engine.loop
+    import sim.tools.run
 
     def broken(*args: object, **kwargs: object) -> object:
         raise sim.engine.loop.InvariantViolation("3 GPU blocks leaked")
 
-    monkeypatch.setattr(sim.engine.loop, "simulate", broken)
+    monkeypatch.setattr(sim.tools.run, "simulate", broken)  # where the run lifecycle looks it up
     code, _, err = run(["run", str(DEFAULT), "--out", "f", *SMALL], capsys)
     assert code == 1
     assert "Traceback" in err and "InvariantViolation: 3 GPU blocks leaked" in err
