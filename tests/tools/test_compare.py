@@ -235,16 +235,16 @@ def test_cli_exit_0_when_old_crashes(spec6: Path, tmp_path: Path, capsys: pytest
 
 def test_failed_run_exits_1_and_still_writes_the_compare(in_tmp: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    from sim.engine import loop as engine
+    from sim.tools import run
 
-    original = engine.simulate
+    original = run.simulate
 
     def simulate(config: Any, *args: Any, **kwargs: Any) -> Any:
         if str(config.window_logic) == "old":
             raise RuntimeError("simulated simulator bug")
         return original(config, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "simulate", simulate)
+    monkeypatch.setattr(run, "simulate", simulate)  # where the run lifecycle looks it up
     code, out, err = run_cli(["compare", str(write(in_tmp, SMALL)), "--out", "c", "--jobs", "1", "-q"],
                              capsys)
     assert code == 1
