@@ -44,10 +44,11 @@ def long_prompt(tokens: int = 131_072) -> dict[str, object]:
 
 def bench(name: str, data: dict[str, object], logic: str, iterations: int) -> float:
     sc = parse_check(data, name)
+    case = sc.case(name)
     total = 0.0
     outcome = None
     for _ in range(iterations):
-        world = build_world(sc, logic)  # fresh state, untimed
+        world = build_world(case, logic)  # fresh state, untimed
         t0 = time.perf_counter()
         outcome = world.decide()
         total += time.perf_counter() - t0

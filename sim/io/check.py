@@ -28,9 +28,10 @@ State construction
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -42,10 +43,11 @@ from sim.io.schema import GroupEntry, Strict
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache
 from sim.model.gpu_cache import Block, GpuKVCache
-from sim.model.layout import Layout, LayoutError, cdiv
+from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
 from sim.model.windows import profile
 
 __all__ = [
+    "CheckCase",
     "CheckScenario",
     "compare",
     "load_check_file",
@@ -99,8 +101,110 @@ class CheckScenario(Strict):
     def layout(self) -> Layout:
         return Layout.of([g.spec() for g in self.groups], self.tokens_per_hash, self.blocks_per_chunk)
 
+    def case(self, source: str = "<check>") -> CheckCase:
+        """The plain :class:`CheckCase` of this (validated) scenario; its expectations are dropped."""
+        states = expand_chunk_states(self, self.name or source)
+        return CheckCase(tuple(g.spec() for g in self.groups), self.tokens_per_hash, self.blocks_per_chunk,
+                         self.num_tokens, self.gpu_computed_tokens, self.prefix_caching,
+                         tuple(sorted((g, j, st) for (g, j), st in states.items())), self.cpu_capacity_chunks)
+
     def logics(self) -> tuple[Logic, ...]:
         return ("old", "new") if self.window_logic == "both" else (self.window_logic,)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckCase:
+    """One ``check/1`` case as plain data: what ``kvsim check``, the crash
+    library, the fuzzer and the reproducers of a run all hand to
+    :func:`run_check` (no validation on construction: the fuzzer builds
+    millions; :meth:`valid` and :meth:`to_scenario` validate).
+
+    ``states`` lists ``(group, chunk, state)`` sorted by group and chunk;
+    chunks not listed are missing. ``cpu_capacity_chunks`` None sizes the CPU
+    cache to hold the stated chunks (at least 100).
+    """
+
+    groups: tuple[GroupSpec, ...]
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    num_tokens: int
+    gpu_computed_tokens: int = 0
+    prefix_caching: bool = True
+    states: tuple[tuple[int, int, str], ...] = ()
+    cpu_capacity_chunks: int | None = None
+
+    def layout(self) -> Layout:
+        return Layout.of(list(self.groups), self.tokens_per_hash, self.blocks_per_chunk)
+
+    def tpc(self, g: int) -> int:
+        return self.groups[g].tokens_per_block * self.blocks_per_chunk
+
+    def valid(self) -> bool:
+        """Whether ``check/1`` accepts it (and ``run_check`` can build it)."""
+        try:
+            self.layout()
+        except LayoutError:
+            return False
+        n = self.num_tokens
+        if n < 1 or self.tokens_per_hash < 1:
+            return False
+        local = self.gpu_computed_tokens
+        if local < 0 or local >= n or any(local % g.tokens_per_block for g in self.groups):
+            return False
+        if local and not self.prefix_caching:
+            return False  # a local hit needs the GPU prefix cache
+        seen = set()
+        for g, j, _ in self.states:
+            if g >= len(self.groups) or j < 0 or j >= n // self.tpc(g) or (g, j) in seen:
+                return False
+            seen.add((g, j))
+        return True
+
+    def size(self) -> int:
+        """What shrinking minimises (smaller is simpler)."""
+        s = 10_000 * len(self.groups) + self.num_tokens + self.gpu_computed_tokens
+        s += 10 * len(self.states) + 3 * sum(st != "present" for _, _, st in self.states)
+        s += 10 * self.blocks_per_chunk + (0 if self.prefix_caching else 100)
+        for g in self.groups:
+            s += g.tokens_per_block + (g.window or 0) + (g.attention_chunk or 0)
+            s += g.extra_retained_tokens + (50 if g.eagle else 0)
+            s += 0 if g.kind is GroupKind.FULL else 20
+        return s
+
+    def state_ranges(self) -> dict[str, dict[str, str]]:
+        """``chunk_states`` with runs of one state written as ``"a..b"``."""
+        out: dict[str, dict[str, str]] = {}
+        i = 0
+        st = self.states
+        while i < len(st):
+            g, j, name = st[i]
+            k = i
+            while k + 1 < len(st) and st[k + 1][0] == g and st[k + 1][1] == st[k][1] + 1 \
+                    and st[k + 1][2] == name:
+                k += 1
+            out.setdefault(str(g), {})[str(j) if k == i else f"{j}..{st[k][1]}"] = name
+            i = k + 1
+        return out
+
+    def check_data(self, logics: Sequence[Logic] = ("old", "new")) -> dict[str, Any]:
+        """The ``check/1`` object (no expectations)."""
+        window_logic = "both" if len(set(logics)) > 1 else logics[0]
+        data: dict[str, Any] = {
+            "schema": "check/1", "window_logic": window_logic,
+            "groups": [g.to_dict() for g in self.groups],
+            "blocks_per_chunk": self.blocks_per_chunk, "tokens_per_hash": self.tokens_per_hash,
+            "num_tokens": self.num_tokens, "gpu_computed_tokens": self.gpu_computed_tokens,
+            "prefix_caching": self.prefix_caching, "chunk_states": self.state_ranges()}
+        if self.cpu_capacity_chunks is not None:
+            data["cpu_capacity_chunks"] = self.cpu_capacity_chunks
+        return data
+
+    def to_scenario(self, source: str = "<check>") -> CheckScenario:
+        """Validated :class:`CheckScenario` (raises :class:`InputError` if invalid)."""
+        return parse_check(self.check_data(), source)
+
+    def with_states(self, states: Iterable[tuple[int, int, str]], **changes: Any) -> CheckCase:
+        return dataclasses.replace(self, states=tuple(sorted(states)), **changes)
 
 
 def _parse_chunk_range(text: str) -> range | None:
@@ -277,13 +381,13 @@ def _fill_plan(out: dict[str, Any], plan: LoadPlan) -> None:
     out["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk} for h in plan.hazards]
 
 
-def build_world(sc: CheckScenario, logic: Logic, source: str = "<check>") -> CheckWorld:
-    """Build the CPU chunk states, the GPU prefix and the scheduler of a scenario."""
-    layout = sc.layout()
-    states = expand_chunk_states(sc, source)
-    cpu = CpuChunkCache(sc.cpu_capacity_chunks or max(100, len(states)))
-    sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=sc.prefix_caching)
-    hashes = list(range(1, sc.num_tokens // sc.tokens_per_hash + 1))
+def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
+    """Build the CPU chunk states, the GPU prefix and the scheduler of a case."""
+    layout = case.layout()
+    states = {(g, j): st for g, j, st in case.states}
+    cpu = CpuChunkCache(case.cpu_capacity_chunks or max(100, len(states)))
+    sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=case.prefix_caching)
+    hashes = list(range(1, case.num_tokens // case.tokens_per_hash + 1))
     keys = {gj: (hashes[(gj[1] + 1) * layout.hashes_per_chunk[gj[0]] - 1], gj[0]) for gj in states}
     ordered = sorted(states)
     stored = [keys[gj] for gj in ordered if states[gj] in ("present", "pending", "loading")]
@@ -298,26 +402,26 @@ def build_world(sc: CheckScenario, logic: Logic, source: str = "<check>") -> Che
     cpu.mark_uncertain([keys[gj] for gj in ordered if states[gj] == "retry"])
     cpu.take_events()
 
-    num_blocks = 2 + 2 * sum(cdiv(sc.num_tokens, g.tokens_per_block) for g in sc.groups)
-    gpu = GpuKVCache(layout, num_blocks, enable_caching=sc.prefix_caching)
-    local_tokens = sc.gpu_computed_tokens
+    num_blocks = 2 + 2 * sum(cdiv(case.num_tokens, g.tokens_per_block) for g in case.groups)
+    gpu = GpuKVCache(layout, num_blocks, enable_caching=case.prefix_caching)
+    local_tokens = case.gpu_computed_tokens
     if local_tokens:
         gpu.seed_prefix(hashes, local_tokens)
     found, local = gpu.find_hit(hashes, local_tokens)
     if found != local_tokens:  # pragma: no cover - seeding guarantees the hit
         raise RuntimeError(f"seeded local hit {local_tokens} found as {found}")
-    req = _CheckRequest("check", hashes, sc.num_tokens, sc.num_tokens)
+    req = _CheckRequest("check", hashes, case.num_tokens, case.num_tokens)
     return CheckWorld(cpu, gpu, sched, req, local_tokens, local)
 
 
-def run_check(sc: CheckScenario, logic: Logic, source: str = "<check>") -> dict[str, Any]:
+def run_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
     """Execute the model for one logic and return the outcome (JSON-ready).
 
     The outcome has ``external_tokens`` (None when deferred), ``load_async``,
     ``load_keys`` (sorted [group, chunk]), ``group_sizes``, ``block_indices``,
     ``crash`` (None or {kind, group, chunk, message}) and ``hazards``.
     """
-    return build_world(sc, logic, source).decide()
+    return build_world(case, logic).decide()
 
 
 def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
@@ -352,8 +456,9 @@ def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]],
     """Run every logic the scenario asks for; return outcomes and mismatches."""
     outcomes: dict[str, dict[str, Any]] = {}
     mismatches: dict[str, list[str]] = {}
+    case = sc.case(source)
     for logic in sc.logics():
-        outcomes[logic] = run_check(sc, logic, source)
+        outcomes[logic] = run_check(case, logic)
         exp = sc.expect.get(logic)
         if exp is not None:
             diffs = compare(exp, outcomes[logic])

@@ -74,12 +74,12 @@ import tomli_w
 from sim.engine.loop import InvariantViolation, simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
-from sim.io.check import CheckScenario, Logic, expand_chunk_states, parse_check, run_check, summarize
+from sim.io.check import CheckCase, Logic, parse_check, run_check, summarize
 from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
 from sim.model.gpu_cache import Block
-from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.windows import profile
 
 if TYPE_CHECKING:
@@ -87,9 +87,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Condition",
-    "FuzzGroup",
     "FuzzReport",
-    "FuzzScenario",
     "RunFinding",
     "RunFuzzReport",
     "classify",
@@ -112,128 +110,6 @@ _BLOCK = 2048  #: scenarios per work unit (fixed: results do not depend on --job
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain scenarios
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class FuzzGroup:
-    """One KV cache group of a fuzz scenario (the ``check/1`` group fields)."""
-
-    kind: GroupKind
-    tokens_per_block: int
-    window: int | None = None
-    attention_chunk: int | None = None
-    extra_retained_tokens: int = 0
-    eagle: bool = False
-
-    def spec(self) -> GroupSpec:
-        return GroupSpec(self.kind, self.tokens_per_block, self.window, self.attention_chunk,
-                         self.extra_retained_tokens, self.eagle)
-
-    def as_dict(self) -> dict[str, Any]:
-        return self.spec().to_dict()
-
-
-@dataclass(frozen=True, slots=True)
-class FuzzScenario:
-    """A ``check/1`` scenario as plain data (no validation on construction).
-
-    ``states`` lists ``(group, chunk, state)`` sorted by group and chunk;
-    chunks not listed are missing.
-    """
-
-    groups: tuple[FuzzGroup, ...]
-    tokens_per_hash: int
-    blocks_per_chunk: int
-    num_tokens: int
-    gpu_computed_tokens: int = 0
-    prefix_caching: bool = True
-    states: tuple[tuple[int, int, str], ...] = ()
-
-    @classmethod
-    def from_check(cls, sc: CheckScenario) -> FuzzScenario:
-        """The plain form of a validated ``check/1`` scenario (its
-        ``cpu_capacity_chunks`` and expectations are dropped)."""
-        groups = tuple(FuzzGroup(GroupKind(g.kind), g.tokens_per_block, g.window, g.attention_chunk,
-                                 g.extra_retained_tokens, g.eagle) for g in sc.groups)
-        states = expand_chunk_states(sc, sc.name or "<check>")
-        return cls(groups, sc.tokens_per_hash, sc.blocks_per_chunk, sc.num_tokens, sc.gpu_computed_tokens,
-                   sc.prefix_caching, tuple(sorted((g, j, st) for (g, j), st in states.items())))
-
-    def layout(self) -> Layout:
-        return Layout.of([g.spec() for g in self.groups], self.tokens_per_hash, self.blocks_per_chunk)
-
-    def tpc(self, g: int) -> int:
-        return self.groups[g].tokens_per_block * self.blocks_per_chunk
-
-    def valid(self) -> bool:
-        """Whether ``check/1`` accepts it (and ``run_check`` can build it)."""
-        try:
-            self.layout()
-        except LayoutError:
-            return False
-        n = self.num_tokens
-        if n < 1 or self.tokens_per_hash < 1:
-            return False
-        local = self.gpu_computed_tokens
-        if local < 0 or local >= n or any(local % g.tokens_per_block for g in self.groups):
-            return False
-        if local and not self.prefix_caching:
-            return False  # a local hit needs the GPU prefix cache
-        seen = set()
-        for g, j, _ in self.states:
-            if g >= len(self.groups) or j < 0 or j >= n // self.tpc(g) or (g, j) in seen:
-                return False
-            seen.add((g, j))
-        return True
-
-    def size(self) -> int:
-        """What shrinking minimises (smaller is simpler)."""
-        s = 10_000 * len(self.groups) + self.num_tokens + self.gpu_computed_tokens
-        s += 10 * len(self.states) + 3 * sum(st != "present" for _, _, st in self.states)
-        s += 10 * self.blocks_per_chunk + (0 if self.prefix_caching else 100)
-        for g in self.groups:
-            s += g.tokens_per_block + (g.window or 0) + (g.attention_chunk or 0)
-            s += g.extra_retained_tokens + (50 if g.eagle else 0)
-            s += 0 if g.kind is FULL else 20
-        return s
-
-    def state_ranges(self) -> dict[str, dict[str, str]]:
-        """``chunk_states`` with runs of one state written as ``"a..b"``."""
-        out: dict[str, dict[str, str]] = {}
-        i = 0
-        st = self.states
-        while i < len(st):
-            g, j, name = st[i]
-            k = i
-            while k + 1 < len(st) and st[k + 1][0] == g and st[k + 1][1] == st[k][1] + 1 \
-                    and st[k + 1][2] == name:
-                k += 1
-            out.setdefault(str(g), {})[str(j) if k == i else f"{j}..{st[k][1]}"] = name
-            i = k + 1
-        return out
-
-    def check_data(self, logics: Sequence[Logic] = ("old", "new")) -> dict[str, Any]:
-        """The ``check/1`` object (no expectations)."""
-        window_logic = "both" if len(set(logics)) > 1 else logics[0]
-        data: dict[str, Any] = {
-            "schema": "check/1", "window_logic": window_logic,
-            "groups": [g.as_dict() for g in self.groups],
-            "blocks_per_chunk": self.blocks_per_chunk, "tokens_per_hash": self.tokens_per_hash,
-            "num_tokens": self.num_tokens, "gpu_computed_tokens": self.gpu_computed_tokens,
-            "prefix_caching": self.prefix_caching, "chunk_states": self.state_ranges()}
-        return data
-
-    def to_check(self, source: str = "<fuzz>") -> CheckScenario:
-        """Validated :class:`CheckScenario` (raises :class:`InputError` if invalid)."""
-        return parse_check(self.check_data(), source)
-
-    def with_states(self, states: Iterable[tuple[int, int, str]], **changes: Any) -> FuzzScenario:
-        return dataclasses.replace(self, states=tuple(sorted(states)), **changes)
-
-
-# ----------------------------------------------------------------------------------------------
 # The generator
 # ----------------------------------------------------------------------------------------------
 
@@ -253,7 +129,7 @@ def _pick(rng: random.Random, seq: Sequence[Any]) -> Any:
 class _Shape:
     """The layout part of a generated scenario (shared by ``_SHARE`` neighbours)."""
 
-    groups: tuple[FuzzGroup, ...]
+    groups: tuple[GroupSpec, ...]
     tokens_per_hash: int
     blocks_per_chunk: int
     tpcs: tuple[int, ...]
@@ -278,7 +154,7 @@ def generate_shape(rng: random.Random) -> _Shape:
     x = rnd()
     ng = 1 if x < 0.08 else (2 if x < 0.5 else (3 if x < 0.85 else 4))
     eagle = int(rnd() * ng) if rnd() < 0.2 else -1
-    groups: list[FuzzGroup] = []
+    groups: list[GroupSpec] = []
     wchunks: list[int] = []
     mamba_bs = 0
     for gi in range(ng):
@@ -324,14 +200,14 @@ def generate_shape(rng: random.Random) -> _Shape:
             w = cdiv(chunk, t)
         elif kind is MAMBA:
             w = 1
-        groups.append(FuzzGroup(kind, bs, window, chunk, extra, gi == eagle))
+        groups.append(GroupSpec(kind, bs, window, chunk, extra, gi == eagle))
         wchunks.append(w)
     gt = tuple(groups)
-    layout = Layout.of([g.spec() for g in gt], tph, bpc)
+    layout = Layout.of(list(gt), tph, bpc)
     return _Shape(gt, tph, bpc, layout.tokens_per_chunk, tuple(wchunks), layout)
 
 
-def generate(rng: random.Random, shape: _Shape | None = None) -> FuzzScenario:
+def generate(rng: random.Random, shape: _Shape | None = None) -> CheckCase:
     """One random scenario on ``shape`` (drawn from ``rng`` when None), biased
     towards the structure of spec §6.5 (see the module docstring). Always valid."""
     if shape is None:
@@ -420,7 +296,7 @@ def generate(rng: random.Random, shape: _Shape | None = None) -> FuzzScenario:
             local = lcm * ri(1, max(1, min(boundary, num_tokens - 1) // lcm))
             if local >= num_tokens:
                 local = 0
-    return FuzzScenario(groups, shape.tokens_per_hash, shape.blocks_per_chunk, num_tokens, local,
+    return CheckCase(groups, shape.tokens_per_hash, shape.blocks_per_chunk, num_tokens, local,
                         prefix_caching, tuple(sorted([(g, j, s) for (g, j), s in states.items()])))
 
 
@@ -441,7 +317,7 @@ def _shape_seed(seed: int, index: int) -> int:
     return ((seed << 40) | (index // _SHARE)) ^ (0x5A17 << 56)
 
 
-def scenario_at(seed: int, index: int) -> FuzzScenario:
+def scenario_at(seed: int, index: int) -> CheckCase:
     """Scenario ``index`` of the decision fuzzer's stream for ``seed``: its
     layout is drawn from ``(seed, index // 8)``, the rest from ``(seed, index)``."""
     shape = generate_shape(random.Random(_shape_seed(seed, index)))
@@ -540,10 +416,10 @@ def _allocate(layout: Layout, local: int, ext: int) -> tuple[list[list[Block]], 
     return lists, nulls
 
 
-def fast_outcomes(fs: FuzzScenario, logics: Sequence[Logic] = ("old", "new"),
+def fast_outcomes(fs: CheckCase, logics: Sequence[Logic] = ("old", "new"),
                   layout: Layout | None = None) -> dict[str, dict[str, Any]]:
     """The outcome of every logic, equal to :func:`sim.io.check.run_check` on
-    ``fs.to_check()`` (see the module docstring)."""
+    ``fs.to_scenario()`` (see the module docstring)."""
     if layout is None:
         layout = fs.layout()
     hpc = layout.hashes_per_chunk
@@ -594,11 +470,11 @@ def fast_outcomes(fs: FuzzScenario, logics: Sequence[Logic] = ("old", "new"),
     return out
 
 
-def reference_outcomes(fs: FuzzScenario, logics: Sequence[Logic] = ("old", "new")
+def reference_outcomes(fs: CheckCase, logics: Sequence[Logic] = ("old", "new")
                        ) -> dict[str, dict[str, Any]]:
     """The same through :func:`sim.io.check.run_check` (validated scenario, real caches)."""
-    sc = fs.to_check()
-    return {logic: run_check(sc, logic) for logic in logics}
+    case = fs.to_scenario().case()   # through check/1 validation
+    return {logic: run_check(case, logic) for logic in logics}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -708,7 +584,7 @@ _KIND_WORD = {"full": "full-attention", "sliding_window": "sliding-window",
 _KIND_SLUG = {"full": "fa", "sliding_window": "swa", "chunked_local": "cla", "mamba": "mamba"}
 
 
-def condition_of(fs: FuzzScenario, outcomes: dict[str, dict[str, Any]],
+def condition_of(fs: CheckCase, outcomes: dict[str, dict[str, Any]],
                  logics: Sequence[Logic] = ("old", "new")) -> Condition | None:
     """The condition of a finding, or None when the pair of outcomes is not one."""
     la, lb = logics[0], logics[-1]
@@ -749,7 +625,7 @@ def _error_condition(logics: Sequence[Logic], exc: BaseException) -> Condition:
     return Condition(logics[0], name, logics[-1], name)
 
 
-def _key(fs: FuzzScenario, logics: Sequence[Logic]) -> Condition | None:
+def _key(fs: CheckCase, logics: Sequence[Logic]) -> Condition | None:
     try:
         return condition_of(fs, fast_outcomes(fs, logics), logics)
     except ModelledCrashError:  # pragma: no cover - fast_outcomes records these
@@ -763,7 +639,7 @@ def _key(fs: FuzzScenario, logics: Sequence[Logic]) -> Condition | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _remap_groups(fs: FuzzScenario, drop: int) -> FuzzScenario:
+def _remap_groups(fs: CheckCase, drop: int) -> CheckCase:
     groups = fs.groups[:drop] + fs.groups[drop + 1:]
     states = [(g - (g > drop), j, s) for g, j, s in fs.states if g != drop]
     return fs.with_states(states, groups=groups)
@@ -782,7 +658,7 @@ def _split_chunks(states: Iterable[tuple[int, int, str]], group: int | None
     return out
 
 
-def _candidates(fs: FuzzScenario) -> Iterator[FuzzScenario]:
+def _candidates(fs: CheckCase) -> Iterator[CheckCase]:
     """Simpler variants of ``fs``, the larger reductions first."""
     ng = len(fs.groups)
     for g in range(ng):
@@ -824,7 +700,7 @@ def _candidates(fs: FuzzScenario) -> Iterator[FuzzScenario]:
     if not fs.prefix_caching:
         yield dataclasses.replace(fs, prefix_caching=True)
     for g, grp in enumerate(fs.groups):
-        def with_group(new: FuzzGroup, g: int = g) -> FuzzScenario:
+        def with_group(new: GroupSpec, g: int = g) -> CheckCase:
             return dataclasses.replace(fs, groups=(*fs.groups[:g], new, *fs.groups[g + 1:]))
 
         if grp.eagle:
@@ -843,7 +719,7 @@ def _candidates(fs: FuzzScenario) -> Iterator[FuzzScenario]:
                 if w >= 1:
                     yield with_group(dataclasses.replace(grp, attention_chunk=w))
         if grp.kind is not FULL:
-            yield with_group(FuzzGroup(FULL, grp.tokens_per_block, eagle=grp.eagle))
+            yield with_group(GroupSpec(FULL, grp.tokens_per_block, eagle=grp.eagle))
         half = grp.tokens_per_block // 2
         if grp.kind is not MAMBA and half and half % fs.tokens_per_hash == 0:
             yield dataclasses.replace(with_group(dataclasses.replace(grp, tokens_per_block=half)),
@@ -856,7 +732,7 @@ def _candidates(fs: FuzzScenario) -> Iterator[FuzzScenario]:
         yield scaled
 
 
-def _halve(fs: FuzzScenario) -> FuzzScenario | None:
+def _halve(fs: CheckCase) -> CheckCase | None:
     """Every length halved (block sizes, windows, chunks, tokens), when exact."""
     lengths = [fs.tokens_per_hash, fs.gpu_computed_tokens]
     for g in fs.groups:
@@ -873,8 +749,8 @@ def _halve(fs: FuzzScenario) -> FuzzScenario | None:
                                gpu_computed_tokens=fs.gpu_computed_tokens // 2)
 
 
-def shrink(fs: FuzzScenario, target: Condition, logics: Sequence[Logic] = ("old", "new"),
-           max_evals: int = 3000) -> tuple[FuzzScenario, int]:
+def shrink(fs: CheckCase, target: Condition, logics: Sequence[Logic] = ("old", "new"),
+           max_evals: int = 3000) -> tuple[CheckCase, int]:
     """Greedy delta debugging: the smallest variant found whose condition is
     still ``target``. Each pass walks the candidate list of the current
     scenario; after an accepted candidate the (new) list is resumed at the
@@ -919,7 +795,7 @@ class _Hits:
     by_condition: dict[Condition, list[Any]] = field(default_factory=dict)
     divergences: list[tuple[int, str]] = field(default_factory=list)
 
-    def add(self, cond: Condition, index: int, fs: FuzzScenario) -> None:
+    def add(self, cond: Condition, index: int, fs: CheckCase) -> None:
         self.findings += 1
         entry = self.by_condition.get(cond)
         if entry is None:
@@ -978,7 +854,7 @@ def _search_unit(args: tuple[int, int, int, tuple[Logic, ...], int]) -> _Hits:
     return _search(*args)
 
 
-def _shrink_unit(args: tuple[FuzzScenario, Condition, tuple[Logic, ...]]) -> tuple[FuzzScenario, int]:
+def _shrink_unit(args: tuple[CheckCase, Condition, tuple[Logic, ...]]) -> tuple[CheckCase, int]:
     fs, cond, logics = args
     if cond.simulator_bug:
         return fs, 0
@@ -992,8 +868,8 @@ class ConditionResult:
     condition: Condition
     first_index: int
     count: int
-    found: FuzzScenario
-    shrunk: FuzzScenario
+    found: CheckCase
+    shrunk: CheckCase
     evals: int
     outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: Path | None = None
@@ -1153,7 +1029,7 @@ def case_toml(cr: ConditionResult, seed: int, logics: Sequence[Logic], origin: s
     if not fs.prefix_caching:
         lines.append("prefix_caching = false")
     lines.append("groups = [")
-    lines += [f"  {_toml_value(g.as_dict())}," for g in fs.groups]
+    lines += [f"  {_toml_value(g.to_dict())}," for g in fs.groups]
     lines.append("]")
     for g, table in data["chunk_states"].items():
         lines += ["", f"[chunk_states.{g}]"]
@@ -1180,9 +1056,9 @@ def _write_case(out: Path, cr: ConditionResult, seed: int, budget: int, logics: 
     origin = command or f"kvsim fuzz --budget {budget} --seed {seed}"
     text = case_toml(cr, seed, logics, origin)
     # the entry must be a valid check/1 file that reproduces its outcomes
-    sc = parse_check(tomllib.loads(text), f"{cr.condition.slug()}.toml")
+    case = parse_check(tomllib.loads(text), f"{cr.condition.slug()}.toml").case()
     for logic in dict.fromkeys(logics):
-        if run_check(sc, logic) != cr.outcomes[logic]:  # pragma: no cover - a kvsim bug
+        if run_check(case, logic) != cr.outcomes[logic]:  # pragma: no cover - a kvsim bug
             raise RuntimeError(f"written case {cr.condition.slug()} does not reproduce under {logic}")
     path = out / f"{cr.condition.slug()}.toml"
     return path, _write_text(path, text)

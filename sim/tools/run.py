@@ -154,10 +154,10 @@ def write_reproducers(folder: Path, items: Sequence[dict[str, Any]]) -> dict[str
     written, reproduced = [], 0
     for n, item in enumerate(items):
         case = dict(item["case"])
-        sc = parse_check(case, f"reproducer {n}")
+        check_case = parse_check(case, f"reproducer {n}").case()
         expect: dict[str, Any] = {}
         for logic in ("old", "new"):
-            out = run_check(sc, logic)
+            out = run_check(check_case, logic)
             e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
                                  "hazards": sorted({h[0] if isinstance(h, list) else h["kind"]
                                                     for h in out["hazards"]})}

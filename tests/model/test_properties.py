@@ -24,7 +24,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def decide_with_spy(case: Case, logic: str):
-    world = build_world(case.scenario, logic)
+    world = build_world(case.scenario.case(), logic)
     seen: dict[tuple[int, int], LookupResult] = {}
     real = world.cpu.lookup
 

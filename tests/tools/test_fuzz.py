@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.io.check import load_check_file, parse_check
+from sim.io.check import CheckCase, load_check_file, parse_check
 from sim.tools import fuzz
 from sim.tools.fuzz import (
     Condition,
-    FuzzScenario,
     condition_of,
     fast_outcomes,
     fuzz_decisions,
@@ -33,11 +32,11 @@ CRASH = ROOT / "scenarios" / "crash"
 UNALIGNED_OLD = {"crash:missing_chunk", "crash:chunk_not_ready", "hit+double_load"}
 
 
-def library() -> list[FuzzScenario]:
+def library() -> list[CheckCase]:
     out = []
     for path in sorted(CRASH.rglob("*.toml")):
         _, items = load_check_file(path)
-        out.append(FuzzScenario.from_check(parse_check(items[0], str(path))))
+        out.append(parse_check(items[0], str(path)).case())
     return out
 
 
@@ -83,7 +82,7 @@ def test_scenarios_are_valid_and_deterministic():
         fs = scenario_at(11, i)
         assert fs == scenario_at(11, i)
         assert fs.valid(), fs
-        fs.to_check()  # check/1 accepts it
+        fs.to_scenario()  # check/1 accepts it
     assert scenario_at(11, 0) != scenario_at(12, 0)
 
 
@@ -100,19 +99,19 @@ def test_search_is_deterministic_and_independent_of_jobs():
 
 
 def test_classes_and_conditions_of_the_spec_cases():
-    fs = FuzzScenario.from_check(parse_check(
-        tomllib.loads((CRASH / "s6-b3904-left-missing.toml").read_text()), "s6"))
+    fs = parse_check(
+        tomllib.loads((CRASH / "s6-b3904-left-missing.toml").read_text()), "s6").case()
     cond = condition_of(fs, fast_outcomes(fs))
     assert cond == Condition("old", "crash:missing_chunk", "new", "zero", "", "sliding_window", True)
     assert cond.words() == "unaligned sliding-window hit: OLD crash missing_chunk, NEW 0"
-    same = FuzzScenario.from_check(parse_check(
-        tomllib.loads((CRASH / "s6-b3840-left-missing.toml").read_text()), "s6"))
+    same = parse_check(
+        tomllib.loads((CRASH / "s6-b3840-left-missing.toml").read_text()), "s6").case()
     assert condition_of(same, fast_outcomes(same)) is None  # both load 3840: not a finding
 
 
 def test_shrinking_keeps_the_condition_and_reduces_the_case():
-    fs = FuzzScenario.from_check(parse_check(
-        tomllib.loads((CRASH / "s6-b3904-left-pending-eagle.toml").read_text()), "s6"))
+    fs = parse_check(
+        tomllib.loads((CRASH / "s6-b3904-left-pending-eagle.toml").read_text()), "s6").case()
     cond = condition_of(fs, fast_outcomes(fs))
     assert cond is not None and cond.a == "crash:chunk_not_ready" and cond.b == "defer"
     small, evals = shrink(fs, cond)
