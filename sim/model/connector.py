@@ -170,6 +170,39 @@ class StorePlan:
 
 
 @dataclass(slots=True)
+class _LoadDraft:
+    """A load job being built by ``update_state_after_alloc``, group by group."""
+
+    keys: list[OffloadKey] = field(default_factory=list)
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    firsts: list[int] = field(default_factory=list)
+    #: per group, the request's next chunk to store once loaded (cdiv(N, tpc))
+    next_stored: list[int] = field(default_factory=list)
+
+    def attempt(self, req_id: str, hazards: tuple[Hazard, ...] = ()) -> LoadPlan:
+        """The load as it was being issued when vLLM asserted (no job id, no slots)."""
+        return LoadPlan(-1, req_id, tuple(self.keys), tuple(self.chunks), (), tuple(self.dst),
+                        tuple(self.sizes), tuple(self.firsts), hazards)
+
+
+@dataclass(slots=True)
+class _StoreBlocks:
+    """The GPU side of a store job being built by ``build_store_job``."""
+
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    #: source block ids, in store order
+    block_ids: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    firsts: list[int] = field(default_factory=list)
+    #: window-group blocks, fenced from creation
+    fenced: list[int] = field(default_factory=list)
+    #: full-attention blocks, fenced once the request has finished
+    deferred: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Job:
     req_id: str
     keys: tuple[OffloadKey, ...]
@@ -336,17 +369,14 @@ class OffloadingScheduler:
         return None if deferred else count
 
     def _lookup(self, st: _ReqState) -> tuple[int | None, DeferReason | None]:
-        """The joint complete-chunk lookup (spec §4.2 with the §4.6 profile hooks)."""
-        prof = self.profile
-        scan = prof.window_scan
-        lookup = self.cpu.lookup
-        tpcs, ws, groups, eagle = self._tpc, self._w, self._groups, self.eagle
+        """The joint complete-chunk lookup (spec §4.2 with the §4.6 profile hooks).
+
+        The groups are asked in lookup order, each capping the common boundary;
+        when a group shrinks it, every group is asked again if an answer was
+        deferred, else the window groups once a window group has been asked in
+        this round, until the boundary holds."""
         c = st.local_tokens
-        m = st.req.num_tokens
-        if self._window_groups:
-            m -= 1  # the last token is always recomputed
-            if self._mamba_align:
-                m -= m % self._mamba_align
+        m = self._lookup_limit(st)
         hit = 0
         deferred = False
         todo: tuple[int, ...] = self._order
@@ -355,52 +385,98 @@ class OffloadingScheduler:
             swept_window = False
             current, todo = todo, ()
             for g in current:
-                keys = st.keys[g]
-                n = len(keys)
-                tpc = tpcs[g]
-                m = min(m, n * tpc)
-                if m - c < tpc:
+                step = self._lookup_group(st, g, c, m, popped)
+                if step is None:
                     return 0, None
-                fresh = eagle[g] and g not in popped
-                w = ws[g]
-                query = m
-                if fresh and prof.eagle_widens(groups[g]):
-                    query = min(m + tpc, n * tpc)
-                end = min(-(-query // tpc), n)
-                start = c // tpc
-                window = keys[start:end]
-                if w is None:
-                    r = self._prefix_lookup(window)
-                else:
-                    init = prof.initial_window(groups[g], tpc, w, min(m, (end - fresh) * tpc))
-                    r = scan(lookup, window, w + fresh, None if init is None else init + fresh)
-                if r == 0:
-                    return 0, None
-                if r is None:
-                    deferred = True
-                else:
-                    if fresh:
-                        r -= 1
-                        popped.add(g)
-                    m = min(m, tpc * (start + r))
+                m, group_deferred = step
+                deferred = deferred or group_deferred
                 new_hit = m - c
-                if new_hit < tpc:
-                    return 0, None
                 if new_hit < hit:
-                    if not eagle[g]:
-                        popped.clear()
-                    if deferred:
-                        deferred = False
-                        todo = self._order
-                    elif swept_window and not todo:
-                        todo = self._window_groups
-                swept_window = swept_window or w is not None
+                    todo, deferred = self._after_shrink(g, todo, deferred, swept_window, popped)
+                swept_window = swept_window or self._w[g] is not None
                 hit = new_hit
         if deferred:
             return None, "pending_or_retry"
         if self.being_loaded and self._hits_being_loaded(st, c, hit):
             return None, "being_loaded"
         return hit, None
+
+    def _lookup_limit(self, st: _ReqState) -> int:
+        """Tokens the lookup may cover: all of them, less the last token (always
+        recomputed) when window groups exist, aligned down for Mamba."""
+        m = st.req.num_tokens
+        if self._window_groups:
+            m -= 1  # the last token is always recomputed
+            if self._mamba_align:
+                m -= m % self._mamba_align
+        return m
+
+    def _lookup_group(self, st: _ReqState, g: int, c: int, m: int,
+                      popped: set[int]) -> tuple[int, bool] | None:
+        """One group's turn in the joint lookup: cap the boundary ``m`` by the
+        group's keys and its CPU hit (prefix or window lookup), popping the
+        EAGLE chunk the first time an EAGLE group hits.
+
+        Returns:
+            None when less than one chunk beyond the local hit ``c`` remains
+            (the joint hit is 0), else ``(m, deferred)``: the new boundary, and
+            whether the group's answer is pending or retry (``m`` then capped
+            by the group's keys only).
+        """
+        tpc = self._tpc[g]
+        m = min(m, len(st.keys[g]) * tpc)
+        if m - c < tpc:
+            return None
+        fresh = self.eagle[g] and g not in popped
+        r = self._query_group(st, g, c, m, fresh)
+        if r == 0:
+            return None
+        deferred = r is None
+        if r is not None:
+            if fresh:
+                r -= 1
+                popped.add(g)
+            m = min(m, tpc * (c // tpc + r))
+        if m - c < tpc:
+            return None
+        return m, deferred
+
+    def _query_group(self, st: _ReqState, g: int, c: int, m: int, fresh: bool) -> int | None:
+        """Ask the CPU cache about group ``g``'s chunks from the local hit ``c``
+        up to ``m`` (one more for a fresh EAGLE group where the profile widens):
+        the prefix lookup for full attention, the profile's window scan for the
+        other kinds. Returns the chunks hit, None when deferred."""
+        prof = self.profile
+        keys = st.keys[g]
+        n = len(keys)
+        tpc = self._tpc[g]
+        query = m
+        if fresh and prof.eagle_widens(self._groups[g]):
+            query = min(m + tpc, n * tpc)
+        end = min(-(-query // tpc), n)
+        window = keys[c // tpc : end]
+        w = self._w[g]
+        if w is None:
+            return self._prefix_lookup(window)
+        init = prof.initial_window(self._groups[g], tpc, w, min(m, (end - fresh) * tpc))
+        return prof.window_scan(self.cpu.lookup, window, w + fresh, None if init is None else init + fresh)
+
+    def _after_shrink(self, g: int, todo: tuple[int, ...], deferred: bool, swept_window: bool,
+                      popped: set[int]) -> tuple[tuple[int, ...], bool]:
+        """Group ``g`` shrank the joint hit: a non-EAGLE group un-pops the EAGLE
+        chunks; a deferral is dropped and every group asked again, else the
+        window groups are asked again once a window group was passed this round.
+
+        Returns:
+            The groups still to ask and the new deferred flag.
+        """
+        if not self.eagle[g]:
+            popped.clear()
+        if deferred:
+            return self._order, False
+        if swept_window and not todo:
+            return self._window_groups, deferred
+        return todo, deferred
 
     def _hits_being_loaded(self, st: _ReqState, c: int, hit: int) -> bool:
         loading = self.being_loaded
@@ -454,107 +530,129 @@ class OffloadingScheduler:
         if external_tokens == 0:
             return None
         st = self._reqs[req.req_id]
-        prof = self.profile
-        bpc = self.layout.blocks_per_chunk
-        c = st.local_tokens
-        n_cached = c + external_tokens
-        keys_to_load: list[OffloadKey] = []
-        chunks: list[tuple[int, int]] = []
-        dst: list[int] = []
-        sizes: list[int] = []
-        firsts: list[int] = []
-        next_stored: list[int] = []
+        draft = _LoadDraft()
+        n_cached = st.local_tokens + external_tokens
         for g, blist in enumerate(blocks):
-            bs = self._bs[g]
-            nb = cdiv(n_cached, bs)
-            if len(blist) < nb:
-                self._crash("assertion", g, None,
-                            f"group {g} has {len(blist)} GPU blocks, fewer than the {nb} the hit needs")
-            first = nb
-            search = prof.load_search_start(c, bs)
-            if null_prefix is not None and null_prefix[g] > search:
-                search = null_prefix[g]
-            for i in range(search, nb):
-                b = blist[i]
-                if b.block_id != NULL_BLOCK_ID and b.block_hash is None:
-                    first = i
-                    break
-            msg = prof.local_boundary_violation(c, first, bs)
-            if msg is not None:
-                self._crash("assertion", g, first // bpc, f"group {g}: {msg}")
-            pending = nb - first
-            w = self._w[g]
-            if w is not None and pending > w * bpc + 1:
-                self._crash("assertion", g, first // bpc,
-                            f"group {g}: {pending} blocks to load exceed the window "
-                            f"of {w} chunks x {bpc} blocks + 1")
-            nc = cdiv(n_cached, self._tpc[g])
-            if pending:
-                keys = st.keys[g]
-                if len(keys) < nc:
-                    self._crash("assertion", g, len(keys),
-                                f"group {g} has {len(keys)} keys, fewer than the {nc} chunks to load")
-                start = first // bpc
-                keys_to_load.extend(keys[start:nc])
-                chunks.extend((g, j) for j in range(start, nc))
-            dst.extend(b.block_id for b in blist[first:nb])
-            sizes.append(pending)
-            firsts.append(first)
-            next_stored.append(nc)
+            self._draft_group_load(st, g, blist, n_cached, null_prefix, draft)
         if st.jobs:
             self._crash("assertion", None, None, "a load issued while other jobs are pending")
-        hazards: tuple[Hazard, ...] = ()
-        if self.being_loaded:
-            hazards = tuple(Hazard("double_load", g, j)
-                            for k, (g, j) in zip(keys_to_load, chunks, strict=True)
-                            if k in self.being_loaded)
+        hazards = self._double_loads(draft)
         unsafe: tuple[OffloadKey, ...] = ()
-        pinned = keys_to_load
+        pinned = draft.keys
         if not self.assertions:
-            unsafe, pinned = self._strip_assertions(req.req_id, keys_to_load, chunks, dst, sizes, firsts)
+            unsafe, pinned = self._strip_assertions(req.req_id, draft)
             hazards += tuple(Hazard("unsafe_read", g, j)
-                             for k, (g, j) in zip(keys_to_load, chunks, strict=True) if k in unsafe)
+                             for k, (g, j) in zip(draft.keys, draft.chunks, strict=True) if k in unsafe)
+        slots = self._prepare_load(req.req_id, draft, pinned, unsafe, hazards)
+        job_id = self._start_load_job(st, req.req_id, pinned, draft.next_stored)
+        return LoadPlan(job_id, req.req_id, tuple(draft.keys), tuple(draft.chunks), slots,
+                        tuple(draft.dst), tuple(draft.sizes), tuple(draft.firsts), hazards, unsafe)
+
+    def _draft_group_load(self, st: _ReqState, g: int, blist: Sequence[Block], n_cached: int,
+                          null_prefix: Sequence[int] | None, draft: _LoadDraft) -> None:
+        """Add group ``g``'s part of the load to ``draft``: the blocks from the
+        first one to load up to ``cdiv(n_cached, bs)`` and the chunks they
+        belong to, with vLLM's assertions on the block count, the window size
+        and the key count."""
+        bpc = self.layout.blocks_per_chunk
+        nb = cdiv(n_cached, self._bs[g])
+        if len(blist) < nb:
+            self._crash("assertion", g, None,
+                        f"group {g} has {len(blist)} GPU blocks, fewer than the {nb} the hit needs")
+        first = self._first_block_to_load(st.local_tokens, g, blist, nb, null_prefix)
+        pending = nb - first
+        w = self._w[g]
+        if w is not None and pending > w * bpc + 1:
+            self._crash("assertion", g, first // bpc,
+                        f"group {g}: {pending} blocks to load exceed the window "
+                        f"of {w} chunks x {bpc} blocks + 1")
+        nc = cdiv(n_cached, self._tpc[g])
+        if pending:
+            keys = st.keys[g]
+            if len(keys) < nc:
+                self._crash("assertion", g, len(keys),
+                            f"group {g} has {len(keys)} keys, fewer than the {nc} chunks to load")
+            start = first // bpc
+            draft.keys.extend(keys[start:nc])
+            draft.chunks.extend((g, j) for j in range(start, nc))
+        draft.dst.extend(b.block_id for b in blist[first:nb])
+        draft.sizes.append(pending)
+        draft.firsts.append(first)
+        draft.next_stored.append(nc)
+
+    def _first_block_to_load(self, local_tokens: int, g: int, blist: Sequence[Block], nb: int,
+                             null_prefix: Sequence[int] | None) -> int:
+        """Index of group ``g``'s first fresh (real, unhashed) block below ``nb``,
+        searched from the profile's start (``nb`` when there is none), checked
+        against the local-hit boundary as the profile asserts."""
+        prof = self.profile
+        bs = self._bs[g]
+        first = nb
+        search = prof.load_search_start(local_tokens, bs)
+        if null_prefix is not None and null_prefix[g] > search:
+            search = null_prefix[g]
+        for i in range(search, nb):
+            b = blist[i]
+            if b.block_id != NULL_BLOCK_ID and b.block_hash is None:
+                first = i
+                break
+        msg = prof.local_boundary_violation(local_tokens, first, bs)
+        if msg is not None:
+            self._crash("assertion", g, first // self.layout.blocks_per_chunk, f"group {g}: {msg}")
+        return first
+
+    def _double_loads(self, draft: _LoadDraft) -> tuple[Hazard, ...]:
+        """Hazards for chunks to load that another load job is loading already."""
+        if not self.being_loaded:
+            return ()
+        loading = self.being_loaded
+        return tuple(Hazard("double_load", g, j)
+                     for k, (g, j) in zip(draft.keys, draft.chunks, strict=True) if k in loading)
+
+    def _prepare_load(self, req_id: str, draft: _LoadDraft, pinned: list[OffloadKey],
+                      unsafe: tuple[OffloadKey, ...], hazards: tuple[Hazard, ...]) -> tuple[int, ...]:
+        """The CPU manager's ``prepare_load`` of the pinned keys (its assertion
+        raised as a crash carrying the attempted load); the slots of every key
+        to load, the unsafe ones read where they lie."""
         try:
             pinned_slots = self.cpu.prepare_load(pinned)
         except CacheAssertion as exc:
-            g, j = chunks[keys_to_load.index(exc.key)]
-            attempt = LoadPlan(-1, req.req_id, tuple(keys_to_load), tuple(chunks), (), tuple(dst),
-                               tuple(sizes), tuple(firsts), hazards)
+            g, j = draft.chunks[draft.keys.index(exc.key)]
             crash = ModelledCrash(exc.reason, g, j, exc.message, "prepare_load")
-            raise ModelledCrashError(crash, attempt) from None
-        if unsafe:
-            by_key = dict(zip(pinned, pinned_slots, strict=True))
-            slots = tuple(by_key[k] if k in by_key else self.cpu.slot(k) or 0 for k in keys_to_load)
-        else:
-            slots = pinned_slots
+            raise ModelledCrashError(crash, draft.attempt(req_id, hazards)) from None
+        if not unsafe:
+            return pinned_slots
+        by_key = dict(zip(pinned, pinned_slots, strict=True))
+        return tuple(by_key[k] if k in by_key else self.cpu.slot(k) or 0 for k in draft.keys)
+
+    def _start_load_job(self, st: _ReqState, req_id: str, pinned: list[OffloadKey],
+                        next_stored: list[int]) -> int:
+        """Register the load job; the loaded chunks count as stored and the
+        pinned ones as being loaded. Returns the job id."""
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(req.req_id, tuple(pinned), is_store=False)
+        self._jobs[job_id] = _Job(req_id, tuple(pinned), is_store=False)
         st.jobs.add(job_id)
         st.next_stored = next_stored
         st.store_quiet = False
         if self.being_loaded is not None:
             self.being_loaded.update(pinned)
-        return LoadPlan(job_id, req.req_id, tuple(keys_to_load), tuple(chunks), slots,
-                        tuple(dst), tuple(sizes), tuple(firsts), hazards, unsafe)
+        return job_id
 
-    def _strip_assertions(self, req_id: str, keys: list[OffloadKey], chunks: list[tuple[int, int]],
-                          dst: list[int], sizes: list[int], firsts: list[int]
+    def _strip_assertions(self, req_id: str, draft: _LoadDraft
                           ) -> tuple[tuple[OffloadKey, ...], list[OffloadKey]]:
         """``python -O``: split the keys into not-ready ones (read unpinned) and
         the rest; a missing key still kills vLLM (AttributeError on None)."""
         state = self.cpu.state
         unsafe: list[OffloadKey] = []
         pinned: list[OffloadKey] = []
-        for k, (g, j) in zip(keys, chunks, strict=True):
+        for k, (g, j) in zip(draft.keys, draft.chunks, strict=True):
             st = state(k)
             if st is ChunkState.MISSING:
-                attempt = LoadPlan(-1, req_id, tuple(keys), tuple(chunks), (), tuple(dst), tuple(sizes),
-                                   tuple(firsts), ())
                 crash = ModelledCrash("missing_chunk", g, j,
                                       f"chunk {k!r} is not in the CPU cache: with assertions stripped the "
                                       "manager's lookup returns None and AttributeError: 'NoneType' object "
                                       "has no attribute 'ref_cnt' kills the scheduler", "prepare_load")
-                raise ModelledCrashError(crash, attempt)
+                raise ModelledCrashError(crash, draft.attempt(req_id))
             (unsafe if st is ChunkState.PENDING else pinned).append(k)
         return tuple(unsafe), pinned
 
@@ -570,15 +668,6 @@ class OffloadingScheduler:
         st = self._reqs[req_id]
         for ids, new in zip(st.block_ids, new_block_ids, strict=True):
             ids.extend(new)
-
-    def zero_block_ids(self, req_id: str, group: int, block_ids: set[int]) -> None:
-        """Forget blocks of a window group that were freed and re-allocated
-        before being stored (spec §7.6): their entries become 0."""
-        ids = self._reqs[req_id].block_ids[group]
-        start = self._reqs[req_id].next_stored[group] * self.layout.blocks_per_chunk
-        for i in range(start, len(ids)):
-            if ids[i] in block_ids:
-                ids[i] = NULL_BLOCK_ID
 
     def _zero_range(self, st: _ReqState, g: int) -> range:
         bpc = self.layout.blocks_per_chunk
@@ -656,84 +745,108 @@ class OffloadingScheduler:
         if tokens_after_step is None:
             tokens_after_step = self.profile.finished_store_tokens(req.num_prompt_tokens, req.num_tokens)
         tokens = self._offloadable(st, tokens_after_step)
-        prompt_chunks_tokens = self._offloadable(st, req.num_prompt_tokens)
-        bpc = self.layout.blocks_per_chunk
+        offered, ranges = self._offer_chunks(st, tokens)
+        if not offered:
+            self._advance(st, tokens)
+            self._check_quiet(st)
+            return None
+        reservation = self.cpu.prepare_store(offered)
+        if reservation is None:
+            self.store_rejections += 1
+            return None
+        if not reservation.keys:
+            self._advance(st, tokens)
+            self._check_quiet(st)
+            return None
+        self._touch(st)
+        src = self._collect_store_blocks(st, ranges, set(reservation.keys))
+        for g, (_, n) in enumerate(ranges):
+            st.next_stored[g] = max(st.next_stored[g], n)
+        self._check_quiet(st)
+        job_id = next(self._job_ids)
+        if st.jobs and not all(self._jobs[j].is_store for j in st.jobs):
+            self._crash("assertion", None, None, "a store issued while a load is pending", "build_store_jobs")
+        flush_now = self._start_store_job(st, req_id, job_id, reservation.keys, src, allocated)
+        return StorePlan(job_id, req_id, reservation.keys, tuple(src.chunks), reservation.slots,
+                         tuple(src.block_ids), tuple(src.sizes), tuple(src.firsts), reservation.evicted,
+                         flush_now)
+
+    def _offer_chunks(self, st: _ReqState, tokens: int) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
+        """The chunks to offer the CPU cache with ``tokens`` offloadable (spec §7.1-§7.3).
+
+        Returns:
+            The offered keys, group by group, and per group the chunk range
+            ``(next_stored, storable)`` considered.
+        """
+        prompt_tokens = self._offloadable(st, st.req.num_prompt_tokens)
         offered: list[OffloadKey] = []
         ranges: list[tuple[int, int]] = []
         for g in range(len(self._groups)):
             n = self._storable(st, g, tokens)
             start = st.next_stored[g]
             ranges.append((start, n))
-            if n <= start:
-                continue
-            keys = st.keys[g][start:n]
-            last_ids = st.block_ids[g][start * bpc + bpc - 1 : n * bpc : bpc]
-            mask = None
-            if self._w[g] is not None:
-                horizon = self._store_horizon(st, g, n, prompt_chunks_tokens // self._tpc[g])
-                mask = self.profile.reachable_chunks(self.layout, g, self.eagle[g], start, n, n, horizon)
-            for k, (key, bid) in enumerate(zip(keys, last_ids, strict=True)):
-                if bid == NULL_BLOCK_ID or (mask is not None and not mask[k]):
-                    continue
-                offered.append(key)
-        if not offered:
-            self._advance(st, tokens)
-            self._check_quiet(st)
-            return None
-        plan = self.cpu.prepare_store(offered)
-        if plan is None:
-            self.store_rejections += 1
-            return None
-        if not plan.keys:
-            self._advance(st, tokens)
-            self._check_quiet(st)
-            return None
-        self._touch(st)
-        accepted = set(plan.keys)
-        src: list[int] = []
-        sizes: list[int] = []
-        firsts: list[int] = []
-        chunks: list[tuple[int, int]] = []
-        fenced: list[int] = []
-        deferred: list[int] = []
+            if n > start:
+                offered.extend(self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g]))
+        return offered, ranges
+
+    def _reachable_keys(self, st: _ReqState, g: int, start: int, n: int,
+                        prompt_chunks: int) -> list[OffloadKey]:
+        """Keys of group ``g``'s chunks ``[start, n)`` worth storing: the chunk's
+        last block is real and, for a window group, the profile deems the chunk
+        reachable by a later lookup (store reachability, spec §7.3)."""
+        bpc = self.layout.blocks_per_chunk
+        keys = st.keys[g][start:n]
+        last_ids = st.block_ids[g][start * bpc + bpc - 1 : n * bpc : bpc]
+        mask = None
+        if self._w[g] is not None:
+            horizon = self._store_horizon(st, g, n, prompt_chunks)
+            mask = self.profile.reachable_chunks(self.layout, g, self.eagle[g], start, n, n, horizon)
+        return [key for k, (key, bid) in enumerate(zip(keys, last_ids, strict=True))
+                if bid != NULL_BLOCK_ID and (mask is None or mask[k])]
+
+    def _collect_store_blocks(self, st: _ReqState, ranges: Sequence[tuple[int, int]],
+                              accepted: set[OffloadKey]) -> _StoreBlocks:
+        """The GPU blocks of the accepted chunks, group by group (null blocks
+        left out), with the fences they take (spec §7.6)."""
+        bpc = self.layout.blocks_per_chunk
+        out = _StoreBlocks()
         for g, (start, n) in enumerate(ranges):
             ids = st.block_ids[g]
+            keys = st.keys[g]
+            fence = out.fenced if self._w[g] is not None else out.deferred
             count = 0
             first: int | None = None
             for j in range(start, max(start, n)):
-                if st.keys[g][j] not in accepted:
+                if keys[j] not in accepted:
                     continue
-                chunks.append((g, j))
+                out.chunks.append((g, j))
                 for i in range(j * bpc, j * bpc + bpc):
                     bid = ids[i]
                     if bid == NULL_BLOCK_ID:
                         continue
                     if first is None:
                         first = i
-                    src.append(bid)
+                    out.block_ids.append(bid)
+                    fence.append(bid)
                     count += 1
-                    if self._w[g] is not None:
-                        fenced.append(bid)
-                    else:
-                        deferred.append(bid)
-            sizes.append(count)
-            firsts.append(first or 0)
-            st.next_stored[g] = max(st.next_stored[g], n)
-        self._check_quiet(st)
-        job_id = next(self._job_ids)
-        if st.jobs and not all(self._jobs[j].is_store for j in st.jobs):
-            self._crash("assertion", None, None, "a store issued while a load is pending", "build_store_jobs")
+            out.sizes.append(count)
+            out.firsts.append(first or 0)
+        return out
+
+    def _start_store_job(self, st: _ReqState, req_id: str, job_id: int, keys: tuple[OffloadKey, ...],
+                         src: _StoreBlocks, allocated: set[int] | frozenset[int]) -> bool:
+        """Register the store job and its flush fences (a finished request's
+        full-attention blocks are fenced at once). Returns ``flush_now``:
+        whether the store reads a block re-allocated this step."""
         st.jobs.add(job_id)
-        self._jobs[job_id] = _Job(req_id, plan.keys, True, tuple(fenced), tuple(deferred))
-        for bid in fenced:
+        self._jobs[job_id] = _Job(req_id, keys, True, tuple(src.fenced), tuple(src.deferred))
+        for bid in src.fenced:
             self.block_fences.setdefault(bid, set()).add(job_id)
-        flush_now = False
-        if st.finished:
-            for bid in deferred:
-                self.block_fences.setdefault(bid, set()).add(job_id)
-            flush_now = any(bid in allocated for bid in deferred)
-        return StorePlan(job_id, req_id, plan.keys, tuple(chunks), plan.slots, tuple(src),
-                         tuple(sizes), tuple(firsts), plan.evicted, flush_now)
+        if not st.finished:
+            return False
+        for bid in src.deferred:
+            self.block_fences.setdefault(bid, set()).add(job_id)
+        return any(bid in allocated for bid in src.deferred)
 
     def _store_horizon(self, st: _ReqState, g: int, n: int, prompt_chunks: int) -> int | None:
         if self.eagle[g]:
@@ -810,12 +923,3 @@ class OffloadingScheduler:
         st = self._reqs.get(req_id)
         if st is not None and st.finished and not st.jobs:
             del self._reqs[req_id]
-
-    def cancel_load(self, req_id: str) -> None:
-        """Undo a load job that was never started (used when the engine records
-        a crash and drops the request's external hit)."""
-        st = self._reqs[req_id]
-        for j in list(st.jobs):
-            job = self._jobs[j]
-            if not job.is_store:
-                self.complete_job(j)

@@ -58,7 +58,7 @@ What it simplifies or adds relative to vLLM
     * Arguments naming the same key twice in one call are rejected with
       ``ValueError``; vLLM's manager has no such check and would leak a slot.
     * vLLM's metrics side-counters (skipped stores, allocation sizes) are left
-      to the caller, which sees every plan and every event.
+      to the caller, which sees every reservation and every event.
 
 Invariants (verified by :meth:`CpuChunkCache.check_invariants`)
     * occupied slots + free-list slots == slots ever handed out <= capacity;
@@ -96,7 +96,7 @@ __all__ = [
     "LruPolicy",
     "OffloadKey",
     "StoreCancelled",
-    "StorePlan",
+    "StoreReservation",
     "capacity_from_bytes",
     "slot_bytes",
 ]
@@ -212,7 +212,7 @@ CacheEvent: TypeAlias = ChunksStored | ChunksEvicted | LoadStarted | LoadComplet
 
 
 @dataclass(frozen=True, slots=True)
-class StorePlan:
+class StoreReservation:
     """Result of a successful :meth:`CpuChunkCache.prepare_store`.
 
     Attributes:
@@ -227,7 +227,7 @@ class StorePlan:
     evicted: tuple[OffloadKey, ...]
 
 
-_EMPTY_PLAN: Final = StorePlan((), (), ())
+_EMPTY_RESERVATION: Final = StoreReservation((), (), ())
 
 
 def capacity_from_bytes(
@@ -727,7 +727,7 @@ class CpuChunkCache:
 
     # ----------------------------------------------------------------- stores
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> StoreReservation | None:
         """Reserve slots for the absent ones of ``keys`` and insert them as PENDING.
 
         With the admission filter on, every offer is counted first (even when
@@ -741,7 +741,7 @@ class CpuChunkCache:
             keys: Keys offered for storing, each at most once.
 
         Returns:
-            The plan (possibly empty, when nothing needs storing), or None when
+            The reservation (possibly empty, when nothing needs storing), or None when
             there is no room.
 
         Raises:
@@ -756,7 +756,7 @@ class CpuChunkCache:
         chunks = self._chunks
         to_store = [key for key in keys if key not in chunks]
         if not to_store:
-            return _EMPTY_PLAN
+            return _EMPTY_RESERVATION
 
         evicted: list[OffloadKey] = []
         shortfall = len(to_store) - self.num_free_slots
@@ -782,7 +782,7 @@ class CpuChunkCache:
             insert(key, chunk)
             uncertain.discard(key)
         self._num_pending += len(to_store)
-        return StorePlan(tuple(to_store), tuple(slots), tuple(evicted))
+        return StoreReservation(tuple(to_store), tuple(slots), tuple(evicted))
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """Finish the stores of ``keys``.

@@ -236,41 +236,64 @@ class GpuKVCache:
         return hit, lists
 
     def _group_hit(self, g: int, block_hashes: Sequence[int], max_tokens: int) -> int:
-        bs = self._bs[g]
-        n = max_tokens // bs
-        pool = self.pool
+        """Longest hit of group ``g`` alone, at most ``max_tokens``, by its kind's rule."""
+        n = max_tokens // self._bs[g]
+        kind = self.layout.groups[g].kind
+        if kind is GroupKind.FULL:
+            return self._prefix_hit(g, block_hashes, n)
+        if kind is GroupKind.MAMBA:
+            return self._last_block_hit(g, block_hashes, n)
+        return self._window_hit(g, block_hashes, n)
+
+    def _is_cached(self, g: int, block_hashes: Sequence[int], i: int) -> bool:
+        return self.pool.cached(self._block_hash(g, block_hashes, i)) is not None
+
+    def _prefix_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        """Full attention: the leading run of cached blocks among the first ``n``."""
+        i = 0
+        while i < n and self._is_cached(g, block_hashes, i):
+            i += 1
+        return i * self._bs[g]
+
+    def _last_block_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        """Mamba: the boundary after the rightmost cached block among the first ``n``."""
+        for i in range(n - 1, -1, -1):
+            if self._is_cached(g, block_hashes, i):
+                return (i + 1) * self._bs[g]
+        return 0
+
+    def _empty_boundary(self, g: int, n: int) -> int:
+        """The largest boundary (in blocks, at most ``n``) at which window-type
+        group ``g`` retains nothing, 0 when there is none: a chunked-local
+        boundary on its attention chunk, or any boundary of a window of one token."""
         spec = self.layout.groups[g]
-        if spec.kind is GroupKind.FULL:
-            i = 0
-            while i < n and pool.cached(self._block_hash(g, block_hashes, i)) is not None:
-                i += 1
-            return i * bs
-        if spec.kind is GroupKind.MAMBA:
-            for i in range(n - 1, -1, -1):
-                if pool.cached(self._block_hash(g, block_hashes, i)) is not None:
-                    return (i + 1) * bs
-            return 0
-        # sliding window / chunked local: the largest boundary ``end`` whose
-        # retained blocks [first(end), end) are all cached. Scan runs of cached
-        # blocks from the right; first(end) never decreases with end, so within
-        # a run [j, i] only end = i + 1 can qualify. Each block is looked at once.
-        # (A boundary that retains nothing -- a chunked-local boundary on its
-        # attention chunk, or a window of one token -- qualifies as it is.)
-        empty = 0
         if spec.kind is GroupKind.CHUNKED_LOCAL:
+            bs = self._bs[g]
             for end in range(n, 0, -1):
                 if self.retained_range(g, end * bs)[0] >= end:
-                    empty = end
-                    break
-        elif (spec.window or 0) + spec.extra_retained_tokens <= 1:
-            empty = n
+                    return end
+            return 0
+        if (spec.window or 0) + spec.extra_retained_tokens <= 1:
+            return n
+        return 0
+
+    def _window_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        """Sliding window / chunked local: the largest boundary ``end`` (at most
+        ``n`` blocks) whose retained blocks [first(end), end) are all cached.
+
+        Scans runs of cached blocks from the right; first(end) never decreases
+        with end, so within a run [j, i] only end = i + 1 can qualify. Each
+        block is looked at once. A boundary that retains nothing qualifies as
+        it is (:meth:`_empty_boundary`)."""
+        bs = self._bs[g]
+        empty = self._empty_boundary(g, n)
         i = n - 1
         while i >= empty:
-            if pool.cached(self._block_hash(g, block_hashes, i)) is None:
+            if not self._is_cached(g, block_hashes, i):
                 i -= 1
                 continue
             j = i
-            while j > 0 and pool.cached(self._block_hash(g, block_hashes, j - 1)) is not None:
+            while j > 0 and self._is_cached(g, block_hashes, j - 1):
                 j -= 1
             if self.retained_range(g, (i + 1) * bs)[0] >= j:
                 return (i + 1) * bs
@@ -455,15 +478,6 @@ class GpuKVCache:
             if self.layout.groups[g].kind is not GroupKind.FULL:
                 comp = min(comp, self.next_skip(g, skipped[g]))
         return slots, comp
-
-    def skipped_blocks(self, req_id: str) -> list[int]:
-        """Per group, how many leading blocks of the request are null (skipped)."""
-        return self._skipped[req_id]
-
-    def num_blocks_to_allocate(self, req_id: str, num_slots: int) -> int:
-        """Fresh blocks :meth:`allocate_more` would take for ``num_slots`` tokens."""
-        lists = self.req_blocks[req_id]
-        return sum(max(0, cdiv(num_slots, self._bs[g]) - len(b)) for g, b in enumerate(lists))
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Give every complete, real block below ``num_tokens`` its hash

@@ -128,11 +128,6 @@ class GroupSpec:
             d["eagle"] = True
         return d
 
-    @property
-    def is_window_type(self) -> bool:
-        """Every kind but full attention takes the suffix-window lookup path."""
-        return self.kind is not GroupKind.FULL
-
     def skipped_tokens(self, num_computed: int) -> int:
         """Tokens before the retained window at boundary ``num_computed`` (spec §5.1)."""
         kind = self.kind

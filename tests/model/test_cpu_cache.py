@@ -35,7 +35,7 @@ from sim.model.cpu_cache import (
     LookupResult,
     OffloadKey,
     StoreCancelled,
-    StorePlan,
+    StoreReservation,
     capacity_from_bytes,
 )
 
@@ -66,7 +66,7 @@ def arc(capacity: int) -> CpuChunkCache:
     return CpuChunkCache(capacity, EvictionPolicy.ARC)
 
 
-def stored(cache: CpuChunkCache, *keys: OffloadKey) -> StorePlan:
+def stored(cache: CpuChunkCache, *keys: OffloadKey) -> StoreReservation:
     """Store ``keys`` in one job and complete it; the plan must exist."""
     plan = cache.prepare_store(keys)
     assert plan is not None
@@ -74,7 +74,7 @@ def stored(cache: CpuChunkCache, *keys: OffloadKey) -> StorePlan:
     return plan
 
 
-def store_plan(cache: CpuChunkCache, *keys: OffloadKey) -> StorePlan:
+def store_plan(cache: CpuChunkCache, *keys: OffloadKey) -> StoreReservation:
     """Prepare (only) a store of ``keys``; the plan must exist."""
     plan = cache.prepare_store(keys)
     assert plan is not None
@@ -114,7 +114,7 @@ def test_chunk_lifecycle_states_ref_counts_and_lookups() -> None:
     assert cache.ref_count(A) is None and cache.slot(A) is None
 
     plan = cache.prepare_store([A, B])
-    assert plan == StorePlan(keys=(A, B), slots=(0, 1), evicted=())
+    assert plan == StoreReservation(keys=(A, B), slots=(0, 1), evicted=())
     assert cache.lookup(A) is HIT_PENDING
     assert cache.state(A) is ChunkState.PENDING
     assert cache.ref_count(A) == -1
@@ -157,7 +157,7 @@ def test_slots_never_used_ascending_then_free_list_last_freed_first() -> None:
     # Full: evicting A (slot 0) then B (slot 1) puts [0, 1] on the free list;
     # allocation pops from its end, so E gets slot 1 and F slot 0.
     plan = cache.prepare_store([E, F])
-    assert plan == StorePlan(keys=(E, F), slots=(1, 0), evicted=(A, B))
+    assert plan == StoreReservation(keys=(E, F), slots=(1, 0), evicted=(A, B))
     assert cache.slot(E) == 1 and cache.slot(F) == 0
     cache.check_invariants()
 
@@ -176,7 +176,7 @@ def test_store_order_is_recency_order() -> None:
     cache = lru(3)
     stored(cache, A, B, C)
     assert eviction_order(cache) == [A, B, C]
-    assert cache.prepare_store([D]) == StorePlan((D,), (0,), (A,))
+    assert cache.prepare_store([D]) == StoreReservation((D,), (0,), (A,))
 
 
 def test_complete_store_appends_at_most_recent_end_in_completion_order() -> None:
@@ -229,12 +229,12 @@ def test_pending_and_loading_chunks_are_never_evicted() -> None:
     stored(cache, A, B)
     cache.prepare_store([C])  # pending, slot 2
     cache.prepare_load([A])  # loading
-    assert cache.prepare_store([D]) == StorePlan((D,), (1,), (B,))
+    assert cache.prepare_store([D]) == StoreReservation((D,), (1,), (B,))
     # Now A is loading, C pending, D pending: nothing is evictable.
     assert cache.num_evictable == 0
     assert cache.prepare_store([E]) is None
     cache.complete_load([A])
-    assert cache.prepare_store([E]) == StorePlan((E,), (0,), (A,))
+    assert cache.prepare_store([E]) == StoreReservation((E,), (0,), (A,))
     assert [cache.state(key) for key in (C, D, E)] == [ChunkState.PENDING] * 3
 
 
@@ -250,14 +250,14 @@ def test_prepare_store_is_all_or_nothing() -> None:
     assert cache.take_events() == []
     assert eviction_order(cache) == [A, B]
     # Three fit exactly.
-    assert cache.prepare_store([D, E, F]) == StorePlan((D, E, F), (3, 1, 0), (A, B))
+    assert cache.prepare_store([D, E, F]) == StoreReservation((D, E, F), (3, 1, 0), (A, B))
 
 
 def test_offered_keys_already_present_are_protected_from_eviction() -> None:
     cache = lru(2)
     stored(cache, A, B)  # A is the LRU victim
     # A is offered again: dropped from the keys to store and protected, so B goes.
-    assert cache.prepare_store([A, C]) == StorePlan((C,), (1,), (B,))
+    assert cache.prepare_store([A, C]) == StoreReservation((C,), (1,), (B,))
     assert cache.state(A) is ChunkState.READY
 
 
@@ -277,12 +277,12 @@ def test_present_keys_are_dropped_and_all_present_gives_an_empty_plan() -> None:
     cache.prepare_load([A])  # nothing evictable at all
     plan = cache.prepare_store([B, A])
     assert plan is not None
-    assert plan == StorePlan((), (), ())
-    assert cache.prepare_store([]) == StorePlan((), (), ())
+    assert plan == StoreReservation((), (), ())
+    assert cache.prepare_store([]) == StoreReservation((), (), ())
     # Order of the remaining keys is kept.
     cache2 = lru(5)
     stored(cache2, B, D)
-    assert cache2.prepare_store([A, B, C, D, E]) == StorePlan((A, C, E), (2, 3, 4), ())
+    assert cache2.prepare_store([A, B, C, D, E]) == StoreReservation((A, C, E), (2, 3, 4), ())
 
 
 def test_complete_store_ignores_absent_and_ready_keys() -> None:
@@ -308,7 +308,7 @@ def test_failed_store_frees_the_slot_and_forgets_the_key() -> None:
     assert cache.ref_count(A) == 1
     assert (cache.num_free_slots, cache.num_pending) == (2, 0)
     # C's slot (2) was freed first, then B's (1): B's comes back first.
-    assert cache.prepare_store([D, E]) == StorePlan((D, E), (1, 2), ())
+    assert cache.prepare_store([D, E]) == StoreReservation((D, E), (1, 2), ())
     cache.check_invariants()
 
 
@@ -420,7 +420,7 @@ def test_uncertain_keys_answer_retry_until_stored_or_cleared() -> None:
     assert cache.lookup(C) is MISS
     # B was unmarked when stored: once evicted it is a plain miss.
     cache.touch([A])
-    assert cache.prepare_store([D]) == StorePlan((D,), (1,), (B,))
+    assert cache.prepare_store([D]) == StoreReservation((D,), (1,), (B,))
     assert cache.lookup(B) is MISS
     cache.mark_uncertain([E])
     cache.clear_uncertain([E, F])
@@ -438,7 +438,7 @@ def test_failed_prepare_store_keeps_the_retry_mark() -> None:
 def test_zero_capacity_cache_stores_nothing() -> None:
     cache = lru(0)
     assert cache.prepare_store([A]) is None
-    assert cache.prepare_store([]) == StorePlan((), (), ())
+    assert cache.prepare_store([]) == StoreReservation((), (), ())
     cache.check_invariants()
 
 
@@ -500,12 +500,12 @@ def test_capacity_from_bytes_rejects_non_positive_inputs(bad: int) -> None:
 
 def test_store_threshold_two_stores_a_key_on_its_second_offer() -> None:
     cache = lru(4, store_threshold=2)
-    assert cache.prepare_store([A, B]) == StorePlan((), (), ())
+    assert cache.prepare_store([A, B]) == StoreReservation((), (), ())
     assert cache.lookup(A) is MISS
-    assert cache.prepare_store([B, C]) == StorePlan((B,), (0,), ())
-    assert cache.prepare_store([A, C]) == StorePlan((A, C), (1, 2), ())
+    assert cache.prepare_store([B, C]) == StoreReservation((B,), (0,), ())
+    assert cache.prepare_store([A, C]) == StoreReservation((A, C), (1, 2), ())
     # Later offers of an admitted key are harmless: present keys are dropped.
-    assert cache.prepare_store([A, B]) == StorePlan((), (), ())
+    assert cache.prepare_store([A, B]) == StoreReservation((), (), ())
 
 
 def test_store_threshold_counts_offers_even_when_the_store_fails() -> None:
@@ -513,10 +513,10 @@ def test_store_threshold_counts_offers_even_when_the_store_fails() -> None:
     stored(cache, A)
     stored(cache, A)  # admitted and stored on the second offer
     cache.prepare_load([A])
-    assert cache.prepare_store([B]) == StorePlan((), (), ())
+    assert cache.prepare_store([B]) == StoreReservation((), (), ())
     assert cache.prepare_store([B]) is None  # admitted, but no room
     cache.complete_load([A])
-    assert cache.prepare_store([B]) == StorePlan((B,), (0,), (A,))
+    assert cache.prepare_store([B]) == StoreReservation((B,), (0,), (A,))
 
 
 def test_store_threshold_tracker_forgets_the_least_recently_offered_key() -> None:
@@ -525,7 +525,7 @@ def test_store_threshold_tracker_forgets_the_least_recently_offered_key() -> Non
     cache.prepare_store([B])
     cache.prepare_store([C])  # tracker full: A is forgotten
     # A is new again (count 1; B, now least recently offered, makes room).
-    assert cache.prepare_store([A]) == StorePlan((), (), ())
+    assert cache.prepare_store([A]) == StoreReservation((), (), ())
     assert store_plan(cache, A).keys == (A,)
     # C survived (count 2 now, admitted); B is new again and takes A's place.
     assert store_plan(cache, B, C).keys == (C,)
@@ -539,7 +539,7 @@ def test_store_threshold_tracker_never_drops_keys_of_the_same_offer() -> None:
     # A and B are refreshed by this offer (count 2, admitted) and protected;
     # C finds the tracker full of protected keys and is not tracked at all.
     assert store_plan(cache, A, B, C).keys == (A, B)
-    assert cache.prepare_store([C]) == StorePlan((), (), ())  # first counted offer
+    assert cache.prepare_store([C]) == StoreReservation((), (), ())  # first counted offer
     # C took A's place (A is LRU among unprotected); D replaces B, and the
     # tracker then holds only C and D.
     assert store_plan(cache, C, D).keys == (C,)
@@ -575,10 +575,10 @@ def test_arc_evicts_from_t1_while_it_is_at_least_p_and_remembers_ghosts() -> Non
     stored(cache, A, B)
     cache.touch([A])  # T1 [B], T2 [A]
     # p = 0: len(T1) = 1 >= 0, so T1's oldest idle chunk goes, to B1.
-    assert cache.prepare_store([C]) == StorePlan((C,), (1,), (B,))
+    assert cache.prepare_store([C]) == StoreReservation((C,), (1,), (B,))
     assert arc_lists(cache) == ([C], [A], [B], [])
     # T1 holds only pending C: fall through to T2.
-    assert cache.prepare_store([D]) == StorePlan((D,), (0,), (A,))
+    assert cache.prepare_store([D]) == StoreReservation((D,), (0,), (A,))
     assert arc_lists(cache) == ([C, D], [], [B], [A])
 
 
@@ -621,7 +621,7 @@ def test_arc_evicts_from_t2_when_t1_is_below_its_target() -> None:
     assert arc_p(cache) == 2.0
     assert arc_lists(cache)[2] == [B, A]
     # len(T1) = 1 < 2: the victim is C from T2 although D in T1 is idle.
-    assert cache.prepare_store([E]) == StorePlan((E,), (0,), (C,))
+    assert cache.prepare_store([E]) == StoreReservation((E,), (0,), (C,))
     assert arc_lists(cache) == ([D, E], [], [B, A], [C])
     cache.touch([C])  # B2 hit: p -= max(1, |B1| / |B2|) = 2
     assert arc_p(cache) == 0.0
@@ -637,7 +637,7 @@ def test_arc_falls_back_to_t1_when_t2_has_no_idle_chunk() -> None:
     cache.touch([C])  # T1 [B, D], T2 [C]
     cache.prepare_load([C])  # T2's only chunk is pinned
     # len(T1) = 2 < 3, T2 has no idle chunk: vLLM 0.30 falls back to T1.
-    assert cache.prepare_store([E]) == StorePlan((E,), (1,), (B,))
+    assert cache.prepare_store([E]) == StoreReservation((E,), (1,), (B,))
 
 
 def test_arc_t1_size_counts_pinned_chunks() -> None:
@@ -652,7 +652,7 @@ def test_arc_t1_size_counts_pinned_chunks() -> None:
     # len(T1) = 2 counts the pinned D, so 2 >= int(p): T1's idle E goes first;
     # T1 is then virtually 1 < 2 long and the second victim is T2's oldest, A.
     # Freed [2, 0]; the free list is popped from its end.
-    assert cache.prepare_store([F, G]) == StorePlan((F, G), (0, 2), (E, A))
+    assert cache.prepare_store([F, G]) == StoreReservation((F, G), (0, 2), (E, A))
     assert arc_lists(cache) == ([D, F, G], [B], [C, E], [A])
 
 
@@ -683,7 +683,7 @@ def test_arc_protected_and_pending_chunks_are_skipped() -> None:
     stored(cache, A)
     cache.prepare_store([B])
     assert cache.prepare_store([A, C]) is None  # A protected, B pending
-    assert cache.prepare_store([C]) == StorePlan((C,), (0,), (A,))
+    assert cache.prepare_store([C]) == StoreReservation((C,), (0,), (A,))
 
 
 def test_arc_failed_store_leaves_no_ghost() -> None:
