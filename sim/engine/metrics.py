@@ -18,13 +18,14 @@ What it models
     * ``transfers``: load (h2d) or store (d2h) job;
     * ``occupancy``: sample of CPU chunk states and GPU blocks, taken at the
       first step boundary at or after every ``occupancy_interval_s``;
-    * ``events``: modelled crashes, hazards, rejections, integrity violations.
+    * ``events``: modelled crashes, hazards, rejections, deadlock breaks,
+      integrity violations.
 
     :class:`RunSummary` accumulates the figures of ``summary.json`` on the fly
     (counts, sums, and the TTFT / TPOT samples for percentiles).
 
 Invariants
-    * every row has exactly the columns of its table, in order;
+    * every row has exactly the columns of its table, in order (its type);
     * rows of one table are handed to the sink in the order they were added.
 """
 
@@ -33,93 +34,139 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
+    "ROW_TYPES",
     "TABLES",
+    "EventRow",
     "MemorySink",
+    "OccupancyRow",
     "Recorder",
+    "RequestRow",
+    "Row",
     "RunSummary",
     "Sink",
+    "StepRow",
+    "TransferRow",
     "percentile",
 ]
 
-#: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "float", "float?", "bool"
-TABLES: dict[str, tuple[tuple[str, str], ...]] = {
-    "requests": (
-        ("req_id", "str"),
-        ("session_id", "str?"),
-        ("status", "str"),               # finished | rejected | unfinished
-        ("arrival_s", "float"),
-        ("scheduled_s", "float?"),       # first admission (load issued or first prefill step)
-        ("first_token_s", "float?"),
-        ("finish_s", "float?"),
-        ("prompt_tokens", "int"),
-        ("output_tokens", "int"),
-        ("gpu_hit_tokens", "int"),       # local GPU prefix-cache hit at first admission
-        ("cpu_hit_tokens", "int"),       # tokens loaded from the CPU cache at first admission
-        ("cpu_reload_tokens", "int"),    # tokens loaded again after a preemption
-        ("computed_tokens", "int"),      # prefill tokens computed on the GPU (all passes)
-        ("recomputed_tokens", "int"),    # of those, tokens computed again (preemption, dropped hit)
-        ("loaded_bytes", "int"),
-        ("stored_bytes", "int"),
-        ("load_jobs", "int"),
-        ("store_jobs", "int"),
-        ("deferrals", "int"),            # lookups answered "ask again next step"
-        ("preemptions", "int"),
-        ("crash", "str?"),               # kind of the modelled crash this request hit, if any
-    ),
-    "steps": (
-        ("step", "int"),                 # index of the first step of the row
-        ("n_steps", "int"),              # > 1 for fast-forwarded decode runs
-        ("start_s", "float"),
-        ("duration_s", "float"),         # of all n_steps
-        ("prefill_tokens", "int"),
-        ("decode_seqs", "int"),          # per step
-        ("context_tokens", "float"),     # attended context in full-attention token equivalents
-        ("running", "int"),
-        ("waiting", "int"),
-        ("loads", "int"),
-        ("stores", "int"),
-        ("preemptions", "int"),
-        ("gpu_blocks_used", "int"),
-    ),
-    "transfers": (
-        ("job_id", "int"),
-        ("req_id", "str"),
-        ("direction", "str"),            # h2d (load) | d2h (store)
-        ("chunks", "int"),
-        ("blocks", "int"),
-        ("bytes", "int"),
-        ("submit_s", "float"),
-        ("start_s", "float"),
-        ("end_s", "float"),
-        ("flushed", "bool"),             # a store the engine had to wait for (spec §7.6)
-    ),
-    "occupancy": (
-        ("t_s", "float"),
-        ("cpu_present", "int"),
-        ("cpu_pending_store", "int"),
-        ("cpu_loading", "int"),
-        ("cpu_free", "int"),
-        ("gpu_blocks_used", "int"),
-        ("gpu_blocks_cached", "int"),
-        ("running", "int"),
-        ("waiting", "int"),
-        ("waiting_for_kv", "int"),
-        ("h2d_queue", "int"),
-        ("d2h_queue", "int"),
-    ),
-    "events": (
-        ("t_s", "float"),
-        ("kind", "str"),                 # crash | hazard | rejected | integrity
-        ("detail", "str"),               # crash kind / hazard kind / reason
-        ("req_id", "str?"),
-        ("group", "int"),                # -1 when not applicable
-        ("chunk", "int"),                # -1 when not applicable
-        ("message", "str"),
-    ),
+class RequestRow(NamedTuple):
+    """One request, written when it leaves the system."""
+
+    req_id: str
+    session_id: str | None
+    status: str                    # finished | rejected | unfinished
+    arrival_s: float
+    scheduled_s: float | None      # first admission (load issued or first prefill step)
+    first_token_s: float | None
+    finish_s: float | None
+    prompt_tokens: int
+    output_tokens: int
+    gpu_hit_tokens: int            # local GPU prefix-cache hit at first admission
+    cpu_hit_tokens: int            # tokens loaded from the CPU cache at first admission
+    cpu_reload_tokens: int         # tokens loaded again after a preemption
+    computed_tokens: int           # prefill tokens computed on the GPU (all passes)
+    recomputed_tokens: int         # of those, tokens computed again (preemption, dropped hit)
+    loaded_bytes: int
+    stored_bytes: int
+    load_jobs: int
+    store_jobs: int
+    deferrals: int                 # lookups answered "ask again next step"
+    preemptions: int
+    crash: str | None              # kind of the modelled crash this request hit, if any
+
+
+class StepRow(NamedTuple):
+    """One engine step, or a run of fast-forwarded decode steps."""
+
+    step: int                      # index of the first step of the row
+    n_steps: int                   # > 1 for fast-forwarded decode runs
+    start_s: float
+    duration_s: float              # of all n_steps
+    prefill_tokens: int
+    decode_seqs: int               # per step
+    context_tokens: float          # attended context in full-attention token equivalents
+    running: int
+    waiting: int
+    loads: int
+    stores: int
+    preemptions: int
+    gpu_blocks_used: int
+
+
+class TransferRow(NamedTuple):
+    """One load (h2d) or store (d2h) job."""
+
+    job_id: int
+    req_id: str
+    direction: str                 # h2d (load) | d2h (store)
+    chunks: int
+    blocks: int
+    bytes: int
+    submit_s: float
+    start_s: float
+    end_s: float
+    flushed: bool                  # a store the engine had to wait for (spec §7.6)
+
+
+class OccupancyRow(NamedTuple):
+    """One sample of CPU chunk states, GPU blocks, queues and links."""
+
+    t_s: float
+    cpu_present: int
+    cpu_pending_store: int
+    cpu_loading: int
+    cpu_free: int
+    gpu_blocks_used: int
+    gpu_blocks_cached: int
+    running: int
+    waiting: int
+    waiting_for_kv: int
+    h2d_queue: int
+    d2h_queue: int
+
+
+class EventRow(NamedTuple):
+    """One modelled crash, hazard, rejection, deadlock break or integrity violation."""
+
+    t_s: float
+    kind: str                      # crash | hazard | rejected | preempted | integrity
+    detail: str                    # crash kind / hazard kind / reason
+    req_id: str | None
+    group: int                     # -1 when not applicable
+    chunk: int                     # -1 when not applicable
+    message: str
+
+
+Row = RequestRow | StepRow | TransferRow | OccupancyRow | EventRow
+
+#: table -> row type, in the order tables are written
+ROW_TYPES: dict[str, type[Row]] = {
+    "requests": RequestRow,
+    "steps": StepRow,
+    "transfers": TransferRow,
+    "occupancy": OccupancyRow,
+    "events": EventRow,
 }
+
+#: annotation -> column type ("?": nullable)
+_COLUMN_TYPES = {"str": "str", "str | None": "str?", "int": "int", "float": "float",
+                 "float | None": "float?", "bool": "bool"}
+
+
+def _schema(row: type[Row]) -> tuple[tuple[str, str], ...]:
+    """The columns of a row type: its fields, typed by their annotations (kept
+    as text: ``typing.NamedTuple`` wraps them in ``ForwardRef``)."""
+    hints: dict[str, Any] = row.__annotations__
+    return tuple((name, _COLUMN_TYPES[getattr(hints[name], "__forward_arg__", hints[name])])
+                 for name in row._fields)
+
+
+#: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "float", "float?", "bool"
+TABLES: dict[str, tuple[tuple[str, str], ...]] = {t: _schema(row) for t, row in ROW_TYPES.items()}
+_TABLE_OF: dict[type, str] = {row: t for t, row in ROW_TYPES.items()}
 
 
 class Sink(Protocol):
@@ -142,7 +189,7 @@ class MemorySink:
 
     def frames(self) -> dict[str, Any]:
         """One pandas DataFrame per table."""
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 -- pandas loads only for in-memory frames (tests, notebooks)
 
         return {t: pd.DataFrame(cols, columns=[c for c, _ in TABLES[t]])
                 for t, cols in self.tables.items()}
@@ -163,7 +210,11 @@ class Recorder:
         self._names = {t: tuple(c for c, _ in cols) for t, cols in TABLES.items()}
         self.rows_written: dict[str, int] = dict.fromkeys(TABLES, 0)
 
-    def add(self, table: str, row: tuple[Any, ...]) -> None:
+    def add(self, row: Row) -> None:
+        """Buffer one row of the table its type names."""
+        table = _TABLE_OF.get(type(row))
+        if table is None:
+            raise TypeError(f"not a row of any table: {row!r}")
         rows = self._rows[table]
         rows.append(row)
         if len(rows) >= self.batch_rows:
@@ -174,9 +225,6 @@ class Recorder:
         if not rows:
             return
         names = self._names[table]
-        if any(len(r) != len(names) for r in rows):
-            bad = next(r for r in rows if len(r) != len(names))
-            raise ValueError(f"{table} row has {len(bad)} values, the table has {len(names)} columns")
         cols = {n: list(v) for n, v in zip(names, zip(*rows, strict=True), strict=True)}
         self.sink.write(table, cols)
         self.rows_written[table] += len(rows)

@@ -58,7 +58,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.errors import InputError
-from sim.io.workload import _check_record
 
 __all__ = [
     "AZURE_HEADER",
@@ -74,6 +73,7 @@ __all__ = [
     "detect_format",
     "fetch_trace",
     "format_stats",
+    "iter_mooncake_records",
     "iter_records",
     "output_format",
     "trace_stats",
@@ -408,6 +408,48 @@ def iter_records(path: str | os.PathLike[str], fmt: str | None = None, *, skip_b
     raise InputError(source, "--format", f"{fmt!r}", "|".join(FORMATS))
 
 
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _bad(source: str, n: int, problem: str, allowed: str) -> InputError:
+    return InputError(source, f"line {n}", problem, allowed)
+
+
+def _check_mooncake_line(source: str, n: int, rec: Any, block_tokens: int,
+                  prev_ts: float) -> tuple[float, int, int, list[int]]:
+    """Validate one parsed line; return (timestamp, input, output, hash_ids)."""
+    if not isinstance(rec, dict):
+        raise _bad(source, n, f"not a JSON object: {type(rec).__name__}", "one JSON object per line")
+    for key in _FIELDS:
+        if key not in rec:
+            raise _bad(source, n, f"missing field {key!r}", "objects with " + ", ".join(_FIELDS))
+    ts, inp, out, ids = rec["timestamp"], rec["input_length"], rec["output_length"], rec["hash_ids"]
+    if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
+        raise _bad(source, n, f"timestamp {ts!r}", "a finite number of milliseconds >= 0")
+    if ts < prev_ts:
+        raise _bad(source, n, f"timestamp {ts!r} is smaller than the previous line's {prev_ts!r}",
+                   "non-decreasing timestamps")
+    for key, value in (("input_length", inp), ("output_length", out)):
+        if type(value) is not int or value <= 0:
+            raise _bad(source, n, f"{key} {value!r}", "an integer >= 1")
+    if type(ids) is not list or not all(type(h) is int and h >= 0 for h in ids):
+        raise _bad(source, n, "hash_ids is not a list of non-negative integers",
+                   "a list of non-negative integers")
+    want = -(-inp // block_tokens)
+    if len(ids) != want:
+        raise _bad(source, n, f"{len(ids)} hash_ids for input_length {inp}",
+                   f"ceil(input_length / {block_tokens}) = {want} ids")
+    return float(ts), inp, out, ids
+
+
+
+def iter_mooncake_records(path: str | os.PathLike[str], block_tokens: int = MOONCAKE_BLOCK_TOKENS, *,
+                          skip_bad: bool = False, bad: BadLines | None = None) -> Iterator[TraceRecord]:
+    """The records of a Mooncake JSONL trace, read lazily: the file is opened at the
+    first ``next()`` (a named pipe streams; nothing is read ahead)."""
+    return _iter_mooncake(Path(path), str(path), skip_bad, bad, block_tokens)
+
+
 def _iter_mooncake(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
                    block_tokens: int) -> Iterator[TraceRecord]:
     prev = 0.0
@@ -424,7 +466,7 @@ def _iter_mooncake(path: Path, source: str, skip_bad: bool, bad: BadLines | None
                 except json.JSONDecodeError as exc:
                     raise InputError(source, f"line {n}", f"invalid JSON ({exc.msg} at column {exc.colno})",
                                      "one JSON object per line") from None
-                ts, inp, out, ids = _check_record(source, n, obj, block_tokens, prev)
+                ts, inp, out, ids = _check_mooncake_line(source, n, obj, block_tokens, prev)
                 try:
                     session = _session(obj.get("session_id"))
                 except _FieldError as exc:

@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import math
 import random
 import sys
@@ -90,6 +89,8 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
+from sim.io.traces import iter_mooncake_records, iter_records
+from sim.model.request import Request
 
 __all__ = [
     "AGENTIC",
@@ -186,107 +187,9 @@ def _str_salt(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") & _MASK63
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request of a workload stream.
-
-    Attributes:
-        req_id: unique, deterministic name (``r000123``, ``s12t3``).
-        arrival_s: seconds from the run start; non-decreasing along a stream.
-        prompt_tokens: prompt length (>= 1).
-        output_tokens: tokens to generate (>= 1).
-        block_hashes: chained hashes of every complete ``tokens_per_hash``-token
-            block of prompt + output, ``array('q')``.
-        session_id: the chat session (multi-turn streams), else ``None``.
-        tokens_per_hash: tokens per hash block.
-    """
-
-    req_id: str
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    block_hashes: Sequence[int]
-    session_id: str | None = None
-    tokens_per_hash: int = 16
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.tokens_per_hash < 1:
-            raise ValueError(f"{self.req_id}: prompt_tokens, output_tokens and tokens_per_hash must be >= 1")
-        want = (self.prompt_tokens + self.output_tokens) // self.tokens_per_hash
-        if len(self.block_hashes) != want:
-            raise ValueError(f"{self.req_id}: {len(self.block_hashes)} block hashes, expected {want}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Mooncake trace replay
 # ----------------------------------------------------------------------------------------------
-
-_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-
-
-def iter_mooncake(path: str | Path, tokens_per_hash: int, *, limit: int | None = None,
-                  time_scale: float = 1.0, block_tokens: int = 512,
-                  id_prefix: str = "r") -> Iterator[Request]:
-    """Stream the requests of a Mooncake JSONL trace, one line at a time.
-
-    Args:
-        path: the JSONL file (blank lines are ignored).
-        tokens_per_hash: hash block size; must divide ``block_tokens``.
-        limit: stop after this many requests (``None``: all).
-        time_scale: ``arrival_s = timestamp / 1000 * time_scale`` (< 1 compresses).
-        block_tokens: tokens per trace block (512 for the Mooncake traces).
-        id_prefix: ``req_id`` is ``f"{id_prefix}{index:06d}"`` (index counts
-            requests from 0); it also salts the request-private hashes.
-
-    Raises:
-        InputError: bad arguments (checked at the call), or a bad line (raised
-            when the stream reaches it, ``key="line N"``).
-    """
-    source = str(path)
-    if not (type(tokens_per_hash) is int and type(block_tokens) is int
-            and tokens_per_hash >= 1 and block_tokens >= 1 and block_tokens % tokens_per_hash == 0):
-        raise InputError(source, "tokens_per_hash",
-                         f"{tokens_per_hash!r} does not divide block_tokens {block_tokens!r}",
-                         "a positive integer that divides the trace block size")
-    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
-        raise InputError(source, "time_scale", f"{time_scale!r}", "a finite number > 0")
-    if limit is not None and (type(limit) is not int or limit < 0):
-        raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
-    if not Path(path).exists():
-        raise InputError(source, "", "no such file", "a Mooncake JSONL trace")
-    return _mooncake_stream(Path(path), tokens_per_hash, limit, float(time_scale), block_tokens, id_prefix)
-
-
-def _bad(source: str, n: int, problem: str, allowed: str) -> InputError:
-    return InputError(source, f"line {n}", problem, allowed)
-
-
-def _check_record(source: str, n: int, rec: Any, block_tokens: int,
-                  prev_ts: float) -> tuple[float, int, int, list[int]]:
-    """Validate one parsed line; return (timestamp, input, output, hash_ids)."""
-    if not isinstance(rec, dict):
-        raise _bad(source, n, f"not a JSON object: {type(rec).__name__}", "one JSON object per line")
-    for key in _FIELDS:
-        if key not in rec:
-            raise _bad(source, n, f"missing field {key!r}", "objects with " + ", ".join(_FIELDS))
-    ts, inp, out, ids = rec["timestamp"], rec["input_length"], rec["output_length"], rec["hash_ids"]
-    if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
-        raise _bad(source, n, f"timestamp {ts!r}", "a finite number of milliseconds >= 0")
-    if ts < prev_ts:
-        raise _bad(source, n, f"timestamp {ts!r} is smaller than the previous line's {prev_ts!r}",
-                   "non-decreasing timestamps")
-    for key, value in (("input_length", inp), ("output_length", out)):
-        if type(value) is not int or value <= 0:
-            raise _bad(source, n, f"{key} {value!r}", "an integer >= 1")
-    if type(ids) is not list or not all(type(h) is int and h >= 0 for h in ids):
-        raise _bad(source, n, "hash_ids is not a list of non-negative integers",
-                   "a list of non-negative integers")
-    want = -(-inp // block_tokens)
-    if len(ids) != want:
-        raise _bad(source, n, f"{len(ids)} hash_ids for input_length {inp}",
-                   f"ceil(input_length / {block_tokens}) = {want} ids")
-    return float(ts), inp, out, ids
-
 
 class _Expander:
     """Per-request hashes of a trace record (one per stream).
@@ -345,35 +248,38 @@ class _Expander:
         return hashes
 
 
-def _mooncake_stream(path: Path, tph: int, limit: int | None, time_scale: float,
-                     block_tokens: int, id_prefix: str) -> Iterator[Request]:
+def iter_mooncake(path: str | Path, tokens_per_hash: int, *, limit: int | None = None,
+                  time_scale: float = 1.0, block_tokens: int = 512,
+                  id_prefix: str = "r") -> Iterator[Request]:
+    """Stream the requests of a Mooncake JSONL trace, one line at a time.
+
+    Args:
+        path: the JSONL file (blank lines are ignored).
+        tokens_per_hash: hash block size; must divide ``block_tokens``.
+        limit: stop after this many requests (``None``: all).
+        time_scale: ``arrival_s = timestamp / 1000 * time_scale`` (< 1 compresses).
+        block_tokens: tokens per trace block (512 for the Mooncake traces).
+        id_prefix: ``req_id`` is ``f"{id_prefix}{index:06d}"`` (index counts
+            requests from 0); it also salts the request-private hashes.
+
+    Raises:
+        InputError: bad arguments (checked at the call), or a bad line (raised
+            when the stream reaches it, ``key="line N"``).
+    """
     source = str(path)
-    expand = _Expander(tph, id_prefix)
-    prev_ts = 0.0
-    index = 0
-    if limit == 0:
-        return
-    try:
-        f = path.open("rb")
-    except OSError as exc:
-        raise InputError(source, "", f"cannot read: {exc.strerror}",
-                         "a readable Mooncake JSONL trace") from exc
-    with f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except ValueError as exc:
-                raise _bad(source, n, f"invalid JSON ({exc})", "one JSON object per line") from exc
-            ts, inp, out, ids = _check_record(source, n, rec, block_tokens, prev_ts)
-            prev_ts = ts
-            hashes = expand.hashes(n, inp, out, ids, block_tokens)
-            yield Request(f"{id_prefix}{index:06d}", ts / 1000.0 * time_scale, inp, out, hashes,
-                          None, tph)
-            index += 1
-            if limit is not None and index >= limit:
-                return
+    if not (type(tokens_per_hash) is int and type(block_tokens) is int
+            and tokens_per_hash >= 1 and block_tokens >= 1 and block_tokens % tokens_per_hash == 0):
+        raise InputError(source, "tokens_per_hash",
+                         f"{tokens_per_hash!r} does not divide block_tokens {block_tokens!r}",
+                         "a positive integer that divides the trace block size")
+    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+        raise InputError(source, "time_scale", f"{time_scale!r}", "a finite number > 0")
+    if limit is not None and (type(limit) is not int or limit < 0):
+        raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
+    if not Path(path).exists():
+        raise InputError(source, "", "no such file", "a Mooncake JSONL trace")
+    records = iter_mooncake_records(path, block_tokens)
+    return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix)
 
 
 def iter_trace(path: str | Path, tokens_per_hash: int, *, fmt: str | None = None, limit: int | None = None,
@@ -400,8 +306,6 @@ def iter_trace(path: str | Path, tokens_per_hash: int, *, fmt: str | None = None
     Raises:
         InputError: bad arguments, or a bad record when the stream reaches it.
     """
-    from sim.io.traces import iter_records
-
     source = str(path)
     if type(tokens_per_hash) is not int or tokens_per_hash < 1:
         raise InputError(source, "tokens_per_hash", f"{tokens_per_hash!r}", "an integer >= 1")

@@ -25,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from sim.engine.loop import CopyPathConfig, EngineConfig, _Engine, _salt
+from sim.engine.loop import CopyPathConfig, Engine, EngineConfig
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.check import CheckScenario, Logic, expand_chunk_states
 from sim.io.workload import Request
 from sim.model.costs import StepCostModel, TransferModel
 from sim.model.layout import cdiv
+from sim.model.request import kv_salt
 
 __all__ = ["replay_check"]
 
@@ -64,12 +65,12 @@ def replay_check(sc: CheckScenario, logic: Logic, *, assertions: bool = True,
                        step_cost=StepCostModel(overhead_s=0.01), h2d=TransferModel(1e12, 1e-4),
                        d2h=TransferModel(1e12, 1e-4), max_num_batched_tokens=max(8192, n + out_tokens))
     sink = MemorySink()
-    eng = _Engine(cfg, [req], Recorder(sink), None)
+    eng = Engine(cfg, [req], Recorder(sink))
     cpu, copy, gpu, conn = eng.cpu, eng.copy, eng.gpu, eng.conn
     assert cpu is not None and copy is not None and conn is not None
     bpc = layout.blocks_per_chunk
     hpc = layout.hashes_per_chunk
-    salt = _salt(req.req_id)
+    salt = kv_salt(req.req_id)
     spare: Iterator[int] = iter(range(gpu_blocks - 1, 0, -1))
     key_of = {gj: (hashes[(gj[1] + 1) * hpc[gj[0]] - 1], gj[0]) for gj in states}
     ordered = sorted(states)
@@ -135,7 +136,7 @@ def replay_check(sc: CheckScenario, logic: Logic, *, assertions: bool = True,
             if conn.being_loaded is not None:
                 conn.being_loaded.difference_update(loading)
         cpu.clear_uncertain(retry)
-        eng._kick()
+        eng.kick()
 
     eng.env.process(land())
     res = eng.run()

@@ -219,7 +219,7 @@ def test_engine_failure_leaves_a_failed_summary(in_tmp: Path, capsys, monkeypatc
     assert "Traceback" in err and "InvariantViolation: 3 GPU blocks leaked" in err
     summary = json.loads((in_tmp / "f" / "summary.json").read_text())
     assert summary["status"] == "failed"
-    assert summary["error"] == "sim.engine.loop.InvariantViolation: 3 GPU blocks leaked"
+    assert summary["error"] == "sim.model.scheduler.InvariantViolation: 3 GPU blocks leaked"
     assert (in_tmp / "f" / "scenario.toml").is_file()
     assert sorted(p.name for p in in_tmp.iterdir()) == ["f"]
 

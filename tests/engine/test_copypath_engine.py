@@ -8,7 +8,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from sim.engine.loop import CopyPathConfig, EngineConfig, _Engine
+from sim.engine.loop import CopyPathConfig, Engine, EngineConfig
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import MultiTurnParams, Request, iter_multiturn
 from sim.model.costs import StepCostModel, TransferModel
@@ -27,7 +27,7 @@ def _world(logic: str, assertions: bool, left: str) -> tuple[dict[str, pd.DataFr
                        assertions=assertions, copy_path=CP, step_cost=StepCostModel(0.01, 1e-5),
                        h2d=TransferModel(1e9, 1e-4), d2h=TransferModel(1e9, 1e-4))
     sink = MemorySink()
-    eng = _Engine(cfg, [b], Recorder(sink), None)
+    eng = Engine(cfg, [b], Recorder(sink))
     cpu, copy = eng.cpu, eng.copy
     assert cpu is not None and copy is not None
     hashes = b.block_hashes
@@ -62,7 +62,7 @@ def _world(logic: str, assertions: bool, left: str) -> tuple[dict[str, pd.DataFr
         slot = plan.slots[chunks.index((g, j))]
         copy.store([0, bpc, 0], [0, j * bpc, 0], group_blocks[g][j * bpc: j * bpc + bpc], [slot])
         cpu.complete_store([keys[g][j]])
-        eng._kick()     # as a link completion would
+        eng.kick()     # as a link completion would
 
     if left == "pending":
         eng.env.process(late_store())
@@ -124,7 +124,7 @@ BUSY = EngineConfig(layout=HYBRID, gpu_blocks=500, cpu_capacity_chunks=600, max_
 
 def _run(cfg: EngineConfig) -> tuple[dict[str, pd.DataFrame], object]:
     sink = MemorySink()
-    res = _Engine(cfg, _workload(), Recorder(sink), None).run()
+    res = Engine(cfg, _workload(), Recorder(sink)).run()
     return sink.frames(), res
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from sim.engine.loop import EngineConfig, InvariantViolation, _Engine, simulate
+from sim.engine.loop import Engine, EngineConfig, InvariantViolation, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import MultiTurnParams, Request, iter_multiturn
 from sim.model.costs import StepCostModel, TransferModel
-from sim.model.layout import GroupKind, GroupSpec, Layout
 from tests.engine.worlds import (
     FA16,
     HALF_S_LINK,
@@ -163,6 +162,27 @@ def test_repeat_after_gpu_eviction_hits_cpu_only_with_offloading() -> None:
     assert on.loc["a2"].computed_tokens < off.loc["a2"].computed_tokens
 
 
+def test_the_cpu_cache_event_log_is_drained_every_step() -> None:
+    """The CPU cache's events are taken after every step (memory stays bounded
+    on long traces): at most one step's worth is ever held."""
+    eng = Engine(FF_CASES["hybrid-tight"], _workload(seed=3, n=30), Recorder(MemorySink()))
+    cpu = eng.cpu
+    assert cpu is not None
+    taken: list[int] = []
+    real_take = cpu.take_events
+
+    def take() -> list[object]:
+        events = real_take()
+        taken.append(len(events))
+        return events  # type: ignore[return-value]
+
+    cpu.take_events = take  # type: ignore[method-assign]
+    res = eng.run()
+    assert res.status == "ok" and sum(taken) > 0
+    assert len(taken) >= res.summary.step_rows
+    assert real_take() == []
+
+
 def test_larger_lru_cache_never_lowers_the_hit_rate() -> None:
     reqs = _workload(seed=7, n=120)
     rates = []
@@ -250,33 +270,6 @@ def test_too_long_request_is_rejected_not_stuck() -> None:
     assert s["requests"]["rejected"] == 1
     ev = f["events"]
     assert list(ev.kind) == ["rejected"] and ev.iloc[0].req_id == "big"
-
-
-def test_attended_context_counts_what_each_kind_reads() -> None:
-    """The step's context term: full attention reads the whole context, a
-    sliding window its last W tokens, chunked local its current chunk, mamba
-    one state block; weighted by bytes per token."""
-    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=16 * 10),
-                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=128, bytes_per_block=16 * 3),
-                        GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=64, bytes_per_block=16 * 2),
-                        GroupSpec(GroupKind.MAMBA, 32, bytes_per_block=32 * 5)],
-                       tokens_per_hash=16, blocks_per_chunk=1)
-    eng = _Engine(EngineConfig(layout=layout, gpu_blocks=10), [], Recorder(MemorySink()), None)
-    assert eng._bpt_total == 20
-    assert eng._attended(1000) == 1000 * 10 + 128 * 3 + (1000 - 960) * 2 + 32 * 5
-    assert eng._attended(64) == 64 * 10 + 64 * 3 + 64 * 2 + 32 * 5
-    assert eng._attended(65) == 65 * 10 + 65 * 3 + 1 * 2 + 32 * 5
-    assert eng._attended(5) == 5 * 10 + 5 * 3 + 5 * 2 + 5 * 5
-    # the vectorised form used by fast-forward agrees with the scalar one
-    class R:
-        def __init__(self, nc: int) -> None:
-            self.num_computed = nc
-    rs = [R(3), R(63), R(127), R(900)]
-    runs = eng._attended_runs(rs, 70)  # type: ignore[arg-type]
-    assert runs == [sum(eng._attended(r.num_computed + 1 + s) for r in rs) for s in range(70)]
-    # a full-attention-only layout keeps the plain token count
-    fa_only = _Engine(EngineConfig(layout=FA16, gpu_blocks=10), [], Recorder(MemorySink()), None)
-    assert fa_only._attended(777) / fa_only._bpt_total == 777
 
 
 @pytest.mark.parametrize(("trace", "chunks"), [("tiny_pool_hang.csv", 11), ("tiny_pool_deadlock.csv", 15)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine.metrics import TABLES, MemorySink, Recorder, RunSummary, percentile
+from sim.engine.metrics import ROW_TYPES, TABLES, EventRow, MemorySink, Recorder, RunSummary, percentile
 from sim.errors import InputError
 
 
@@ -19,7 +19,7 @@ def test_recorder_flushes_in_batches_and_keeps_order() -> None:
     sink = Spy()
     rec = Recorder(sink, batch_rows=3)
     for i in range(7):
-        rec.add("events", (float(i), "crash", "missing_chunk", f"r{i}", 1, 2, "m"))
+        rec.add(EventRow(float(i), "crash", "missing_chunk", f"r{i}", 1, 2, "m"))
     assert writes == [("events", 3), ("events", 3)]
     rec.flush()
     assert writes[-1] == ("events", 1)
@@ -29,10 +29,21 @@ def test_recorder_flushes_in_batches_and_keeps_order() -> None:
     assert rec.rows_written["events"] == 7
 
 
-def test_recorder_rejects_a_row_of_the_wrong_width() -> None:
+def test_recorder_rejects_a_plain_tuple() -> None:
     rec = Recorder(MemorySink(), batch_rows=1)
-    with pytest.raises(ValueError, match="7 columns"):
-        rec.add("events", (0.0, "crash"))
+    with pytest.raises(TypeError, match="not a row"):
+        rec.add((0.0, "crash"))  # type: ignore[arg-type]
+
+
+def test_tables_follow_the_row_types() -> None:
+    """The schema is the row types' fields, typed by their annotations."""
+    assert list(TABLES) == ["requests", "steps", "transfers", "occupancy", "events"]
+    for table, row in ROW_TYPES.items():
+        assert [c for c, _ in TABLES[table]] == list(row._fields)
+    assert TABLES["events"] == (("t_s", "float"), ("kind", "str"), ("detail", "str"), ("req_id", "str?"),
+                                ("group", "int"), ("chunk", "int"), ("message", "str"))
+    assert dict(TABLES["requests"])["scheduled_s"] == "float?"
+    assert dict(TABLES["transfers"])["flushed"] == "bool"
 
 
 def test_percentile_interpolates_like_numpy_linear() -> None:

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from sim.engine.loop import EngineConfig, RunResult, _Engine, simulate
+from sim.engine.loop import Engine, EngineConfig, RunResult, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import Request, chain_hash
 from sim.model.costs import StepCostModel, TransferModel
@@ -72,7 +72,7 @@ def crash_world(on_crash: str, logic: str) -> tuple[dict[str, pd.DataFrame], Run
                        window_logic=logic, on_crash=on_crash,  # type: ignore[arg-type]
                        step_cost=StepCostModel(0.01, 1e-5))
     sink = MemorySink()
-    eng = _Engine(cfg, [b, c], Recorder(sink), None)
+    eng = Engine(cfg, [b, c], Recorder(sink))
     assert eng.cpu is not None
     keys = [SPEC6.offload_keys(g, b.block_hashes[: 4353 // 8]) for g in range(3)]
     stored = [*keys[0][0:4], keys[1][15], *keys[2][118:122]]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import sim
-from sim.engine.metrics import TABLES, Recorder, RunSummary
+from sim.engine.metrics import TABLES, EventRow, Recorder, RunSummary, TransferRow
 from sim.errors import InputError
 from sim.io.results import (
     ParquetSink,
@@ -29,8 +29,8 @@ def _fill(folder: Path, n: int = 5, batch_rows: int = 2) -> None:
     sink = ParquetSink(folder)
     rec = Recorder(sink, batch_rows=batch_rows)
     for i in range(n):
-        rec.add("events", (0.5 * i, "crash", "missing_chunk", None if i % 2 else f"r{i}", 1, i, "m"))
-        rec.add("transfers", (i, f"r{i}", "h2d", 2, 8, 4096 * i, 0.1 * i, 0.1 * i, 0.2 * i, i == 3))
+        rec.add(EventRow(0.5 * i, "crash", "missing_chunk", None if i % 2 else f"r{i}", 1, i, "m"))
+        rec.add(TransferRow(i, f"r{i}", "h2d", 2, 8, 4096 * i, 0.1 * i, 0.1 * i, 0.2 * i, i == 3))
     rec.flush()
     sink.close()
 

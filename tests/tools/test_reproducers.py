@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.engine.loop import EngineConfig, RunResult, _Engine
+from sim.engine.loop import Engine, EngineConfig, RunResult
 from sim.engine.metrics import MemorySink, Recorder
 from sim.model.costs import StepCostModel
 from sim.tools.run import write_reproducers
@@ -22,7 +22,7 @@ def _loading_world(logic: str) -> RunResult:
     b = req("b", 1.0, 4353, 3, prefix=5, tph=8)
     cfg = EngineConfig(layout=SPEC6, gpu_blocks=4000, cpu_capacity_chunks=100, window_logic=logic,  # type: ignore[arg-type]
                        step_cost=StepCostModel(0.01, 1e-5))
-    eng = _Engine(cfg, [b], Recorder(MemorySink()), None)
+    eng = Engine(cfg, [b], Recorder(MemorySink()))
     cpu, conn = eng.cpu, eng.conn
     assert cpu is not None and conn is not None and conn.being_loaded is not None
     keys = [SPEC6.offload_keys(g, b.block_hashes[: 4353 // 8]) for g in range(3)]
@@ -37,7 +37,7 @@ def _loading_world(logic: str) -> RunResult:
         yield eng.env.timeout(2.0)
         cpu.complete_load([keys[1][14]])
         conn.being_loaded.discard(keys[1][14])
-        eng._kick()
+        eng.kick()
 
     eng.env.process(other_load_done())
     return eng.run()

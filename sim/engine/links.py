@@ -1,0 +1,220 @@
+"""Transfer links (serial in-order queues of load and store jobs, in simulated
+time) and the copy path's hooks.
+
+What it models
+    One direction of the PCIe link between GPU and CPU memory (``h2d``
+    loads, ``d2h`` stores). A link runs its jobs one at a time in submission
+    order; a job takes ``latency + bytes / bandwidth`` (:class:`TransferModel`)
+    or, with the copy path's measured timing, the measured time of its copy.
+    A job's completion is an ``URGENT`` event (see the priorities below) and
+    is handed to the engine, which reports it at the end of the step.
+
+    Priorities of same-time events (see :mod:`sim.engine.loop`): transfer
+    completions ``URGENT``, arrivals ``NORMAL`` (SimPy's default), engine step
+    boundaries ``LATE``.
+
+    :class:`CopyHooks` is what the links and the scheduler call into the
+    torch data path (:mod:`sim.engine.copypath`): a job's real copy, the KV
+    fingerprints of computed tokens, and the verification of what a request
+    reads after a load (each bad block reported once).
+
+Simplifications
+    * No contention between the two directions; no per-chunk pipelining
+      inside a job.
+
+Invariants
+    * at most one job of a link is in progress; jobs start in submission order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import simpy
+
+from sim.model.connector import LoadPlan, OffloadingScheduler, StorePlan
+from sim.model.costs import TransferModel
+from sim.model.gpu_cache import GpuKVCache
+from sim.model.layout import Layout
+from sim.model.request import LiveRequest
+
+__all__ = ["LATE", "NORMAL", "URGENT", "At", "CopyHooks", "Link", "Transfer"]
+
+URGENT = 0  #: transfer completions
+NORMAL = 1  #: arrivals (SimPy's default priority)
+LATE = 2    #: engine step boundaries
+
+Proc = Generator[simpy.Event, Any, Any]
+
+_U64 = (1 << 64) - 1
+
+
+class At(simpy.Event):
+    """An event that fires after ``delay`` with a given priority (SimPy's
+    ``Timeout`` always uses ``NORMAL``)."""
+
+    def __init__(self, env: simpy.Environment, delay: float, priority: int) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, priority, delay)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One transfer job on a link (a row of the ``transfers`` table when done)."""
+
+    job_id: int
+    req_id: str
+    direction: str
+    chunks: int
+    blocks: int
+    nbytes: int
+    submit_s: float = 0.0
+    start_s: float = 0.0
+    end_s: float = math.inf
+    flushed: bool = False
+    done: simpy.Event | None = None
+    plan: LoadPlan | StorePlan | None = None
+
+
+class Link:
+    """A serial, in-order transfer queue (one direction of the PCIe link).
+
+    Args:
+        env: the simulation.
+        name: ``h2d`` or ``d2h``.
+        model: the job time.
+        on_done: called when a job completes (before its ``done`` event fires).
+        copy: runs a job's real copy and returns its measured seconds: at the
+            job's start with measured timing, else at its end.
+        measured: the job time is the copy's measured time.
+    """
+
+    def __init__(self, env: simpy.Environment, name: str, model: TransferModel,
+                 on_done: Callable[[Transfer], None], copy: Callable[[Transfer], float] | None = None,
+                 measured: bool = False) -> None:
+        self.env = env
+        self.name = name
+        self.model = model
+        self.on_done = on_done
+        self.copy = copy
+        self.measured = measured
+        self.queue: deque[Transfer] = deque()
+        self.current: Transfer | None = None
+        self.busy_s = 0.0
+        self._wake: simpy.Event | None = None
+        env.process(self._run())
+
+    def submit(self, x: Transfer) -> None:
+        x.submit_s = self.env.now
+        x.done = self.env.event()
+        self.queue.append(x)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    @property
+    def next_completion_s(self) -> float:
+        return self.current.end_s if self.current is not None else math.inf
+
+    def __len__(self) -> int:
+        return len(self.queue) + (self.current is not None)
+
+    def _run(self) -> Proc:
+        env = self.env
+        while True:
+            if not self.queue:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            x = self.queue.popleft()
+            self.current = x
+            x.start_s = env.now
+            dur = self.model.time(x.nbytes)
+            if self.copy is not None and self.measured:
+                dur = self.copy(x)
+            x.end_s = env.now + dur
+            yield At(env, dur, URGENT)
+            if self.copy is not None and not self.measured:
+                self.copy(x)
+            self.busy_s += dur
+            self.current = None
+            self.on_done(x)
+            assert x.done is not None
+            x.done.succeed()
+
+
+class CopyHooks:
+    """The torch data path's calls (see the module docstring).
+
+    Args:
+        copy: the :class:`~sim.engine.copypath.CopyPath`.
+        gpu: the scheduler's GPU cache (block ids of a request).
+        conn: the connector (chunk keys, for the messages).
+        layout: the KV layout.
+        report: ``(req_id, when, group, chunk, message)`` of a bad block.
+    """
+
+    def __init__(self, copy: Any, gpu: GpuKVCache, conn: OffloadingScheduler | None, layout: Layout,
+                 report: Callable[[str, str, int, int, str], None]) -> None:
+        self.copy = copy
+        self.gpu = gpu
+        self.conn = conn
+        self.layout = layout
+        self.report = report
+        self._reported: dict[str, set[tuple[int, int]]] = {}
+
+    def run(self, x: Transfer) -> float:
+        """Execute a transfer job on the tensors; its measured seconds."""
+        p = x.plan
+        assert p is not None
+        if isinstance(p, LoadPlan):
+            return float(self.copy.load(p.group_sizes, p.block_indices, p.dst_block_ids, p.slots))
+        return float(self.copy.store(p.group_sizes, p.block_indices, p.src_block_ids, p.slots))
+
+    def _ids(self, r: LiveRequest) -> list[list[int]]:
+        return [[b.block_id for b in blocks] for blocks in self.gpu.req_blocks[r.req_id]]
+
+    def write(self, r: LiveRequest, start: int, end: int) -> None:
+        """The step computed tokens [start, end) of ``r``: write their KV fingerprints."""
+        if end > start:
+            self.copy.compute(self._ids(r), r.full_hashes, r.salt, start, end)
+
+    def _verify(self, r: LiveRequest, ranges: list[tuple[int, int]], when: str) -> None:
+        """Check what ``r`` will read; report each bad block once."""
+        seen = self._reported.setdefault(r.req_id, set())
+        for v in self.copy.verify(r.req_id, self._ids(r), r.full_hashes, r.salt, ranges):
+            if (v.group, v.block_index) in seen:
+                continue
+            seen.add((v.group, v.block_index))
+            bpc = self.layout.blocks_per_chunk
+            chunk = v.block_index // bpc
+            keys = self.conn.keys_of(r.req_id, v.group) if self.conn is not None else []
+            key = keys[chunk] if chunk < len(keys) else None
+            self.report(r.req_id, when, v.group, chunk,
+                        f"block {v.block_index} (GPU block {v.block_id}, chunk key {key}) token {v.token}: "
+                        f"expected {v.expected & _U64:#018x}, found {v.found & _U64:#018x}")
+
+    def verify_load(self, r: LiveRequest, plan: LoadPlan) -> None:
+        """After a load completes: the blocks it filled."""
+        n = r.num_computed
+        ranges = []
+        for g, spec in enumerate(self.layout.groups):
+            bs = spec.tokens_per_block
+            first = plan.block_indices[g] * bs if plan.group_sizes[g] else n
+            ranges.append((min(first, n), n))
+        self._verify(r, ranges, "load")
+
+    def verify_read(self, r: LiveRequest) -> None:
+        """Before the first step after a load: every block ``r`` will read."""
+        n = r.num_computed
+        ranges = []
+        for g, spec in enumerate(self.layout.groups):
+            first = self.gpu.retained_range(g, n)[0] * spec.tokens_per_block
+            ranges.append((min(first, n), n))
+        self._verify(r, ranges, "read")

@@ -1,0 +1,1172 @@
+"""vLLM's scheduling policy, without a clock: what one engine step runs, and its outcome.
+
+What it models
+    The scheduler of one vLLM engine with the OffloadingConnector (vLLM v1
+    ``Scheduler``): the waiting queue, the running batch, the token budget,
+    chunked prefill, preemption, admission through the connector, and the
+    rejection of requests that never fit. It owns the GPU KV cache
+    (:mod:`sim.model.gpu_cache`), the CPU chunk cache and the connector
+    (:mod:`sim.model.connector`, :mod:`sim.model.cpu_cache`). It knows no
+    clock: every call is given the simulated time, and the SimPy engine
+    (:mod:`sim.engine.loop`) runs the transfers and the forward pass.
+
+    One engine step is :meth:`Scheduler.schedule` (vLLM ``schedule``), the
+    worker (the engine), then :meth:`Scheduler.update_from_output`:
+
+    ``schedule(now)`` returns a :class:`StepPlan`:
+        1. running requests, in order, get their slots (decode: 1 token,
+           chunked prefill: up to the token budget); window groups free the
+           blocks they no longer attend over; when the pool is short the last
+           running request is preempted (recompute: blocks freed, back to the
+           front of the waiting queue);
+        2. if nothing was preempted, waiting requests are admitted while
+           budget and ``max_num_seqs`` allow (blocked ones are skipped, as
+           vLLM's skipped-waiting queue does): a request waiting for its load
+           is promoted when the load was reported done (its blocks are
+           committed, the last token is recomputed); a new request gets its
+           GPU prefix hit ``L`` and asks the connector for ``E`` (``None``:
+           retried next step); allocation; ``update_state_after_alloc``
+           builds the load, which makes the request wait for remote KV;
+        3. the connector's metadata: block ids, stale-entry zeroing and flush
+           fences (spec §7.6), store jobs of the scheduled requests and of the
+           requests finished in the previous step (which are then released);
+           the cost model's inputs (prefill tokens, decode sequences,
+           attended context).
+
+    The engine then flushes, submits the plan's transfers and waits the step
+    time (spec §8.3).
+
+    ``update_from_output(now, plan, completed)``:
+        4. computed tokens advance, a token is sampled when a request
+           reaches its length, stop conditions finish requests (blocks freed
+           at once), then the transfer completions (polled by the engine at
+           the step's end, in completion order) update the CPU cache and mark
+           loaded requests ready.
+
+    Decode fast-forward (clock-free parts)
+        When every running request is decoding, no request finishes, the
+        waiting queue cannot change the batch and no store is due
+        (:meth:`Scheduler.can_fast_forward`; the engine adds its own
+        conditions), :meth:`Scheduler.plan_fast_forward` finds how many
+        decode steps ``k`` start before a horizon (the engine's next
+        arrival, transfer completion or occupancy sample) and fit in the
+        free blocks; :meth:`Scheduler.fast_forward_step` applies step ``s``
+        (only requests that cross a block boundary do work, in the exact
+        order stepping would) and :meth:`Scheduler.finish_fast_forward` the
+        end of the run. Results are identical to stepping (tested).
+
+    Hooks (:class:`SchedulerHooks`) let the engine see, in order, the events
+    rows, the releases of requests, and the points where the copy path
+    writes and verifies KV.
+
+Simplifications
+    * One engine, one worker (no tensor/pipeline/data parallelism), no
+      speculative decoding, no encoder inputs, no LoRA, no priorities.
+    * The waiting queue is FCFS with a skipped queue in front (vLLM 0.30);
+      the async-load admission reservation (``reserved_blocks``) and the
+      allocator's watermark are not modelled.
+    * A new request that cannot fit even in an empty GPU is rejected
+      (recorded) instead of waiting forever; waiting requests holding blocks
+      while nothing runs are preempted (deadlock breaker, see
+      :meth:`Scheduler._no_room`).
+    * Store jobs are created in schedule order (running requests first, then
+      newly admitted, then requests finished in the previous step).
+    * A modelled crash with ``on_crash = "record"`` drops the request's
+      external hit for good (it recomputes from its local hit).
+
+Invariants (checked at the end of a completed run: :meth:`Scheduler.invariant_problems`)
+    * every request finished or was rejected;
+    * no GPU block is referenced; the pool's bookkeeping is consistent;
+    * no CPU chunk is pending a store or being loaded (every store completed
+      or was cancelled, every load released); the cache is consistent;
+    * the connector holds no job and no request state.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler, StorePlan
+from sim.model.costs import ZERO_STEP, StepCostModel
+from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
+from sim.model.gpu_cache import Allocation, Block, GpuKVCache
+from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.request import LiveRequest, Request, RequestStatus
+from sim.model.windows import profile
+
+__all__ = [
+    "Admission",
+    "AdmitOutcome",
+    "AttendedContext",
+    "ChunkRange",
+    "FastForward",
+    "InvariantViolation",
+    "ModelEvent",
+    "ReproducerSnapshot",
+    "Scheduled",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerHooks",
+    "SchedulerStats",
+    "StepOutput",
+    "StepPlan",
+    "TransferJob",
+]
+
+#: new GPU block ids per group, or None when the step allocated nothing
+BlockIds = tuple[tuple[int, ...], ...]
+
+_WAITING = RequestStatus.WAITING
+_WAITING_FOR_KV = RequestStatus.WAITING_FOR_KV
+_RUNNING = RequestStatus.RUNNING
+_FINISHED = RequestStatus.FINISHED
+_REJECTED = RequestStatus.REJECTED
+
+
+class InvariantViolation(RuntimeError):  # noqa: N818 -- the name says what happened
+    """An end-of-run invariant failed: a simulator bug (exit 1)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's share of the engine configuration (see :class:`sim.engine.loop.EngineConfig`)."""
+
+    layout: Layout
+    gpu_blocks: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    prefix_caching: bool = True
+    offloading: bool = True
+    offload_prompt_only: bool = True
+    cpu_capacity_chunks: int = 0
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    window_logic: Literal["old", "new"] = "new"
+    on_crash: Literal["record", "stop"] = "record"
+    step_cost: StepCostModel = ZERO_STEP
+    fast_forward: bool = True
+    #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
+    assertions: bool = True
+
+
+class ModelEvent(NamedTuple):
+    """A row of the ``events`` table, as the model reports it."""
+
+    t_s: float
+    kind: str
+    detail: str
+    req_id: str | None
+    group: int
+    chunk: int
+    message: str
+
+
+def _no_event(event: ModelEvent) -> None:
+    """The default events hook: drop it."""
+
+
+@dataclass
+class SchedulerHooks:
+    """What the engine wants to see happen, at the moment it happens.
+
+    Attributes:
+        event: a crash, hazard, rejection or deadlock break (an ``events`` row).
+        release: the request is done with the engine (finished and its final
+            stores built, or rejected); it is no longer in :attr:`Scheduler.requests`.
+        computed: the step computed tokens ``[start, end)`` of the request
+            (copy path: write their KV); None: not needed.
+        promoted: a loaded request leaves WAITING_FOR_KV (copy path: verify
+            what it will read); None: not needed.
+        load_done: a request's load completed (copy path: verify the blocks it
+            filled); None: not needed.
+    """
+
+    event: Callable[[ModelEvent], None] = _no_event
+    release: Callable[[LiveRequest], None] | None = None
+    computed: Callable[[LiveRequest, int, int], None] | None = None
+    promoted: Callable[[LiveRequest], None] | None = None
+    load_done: Callable[[LiveRequest, LoadPlan], None] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """The run figures the scheduler counts (merged into the run summary)."""
+
+    requests_arrived: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    cpu_reload_tokens: int = 0
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    deferrals: int = 0
+    deferral_reasons: dict[str, int] = field(default_factory=dict)
+    load_jobs: int = 0
+    store_jobs: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    crashes: int = 0
+    crash_kinds: dict[str, int] = field(default_factory=dict)
+    first_crash_s: float | None = None
+    hazards: int = 0
+    hazard_kinds: dict[str, int] = field(default_factory=dict)
+
+
+class AdmitOutcome(Enum):
+    """What admitting the request at the head of the waiting queue gave."""
+
+    #: admitted: prefill scheduled, or its load issued
+    ADMITTED = "admitted"
+    #: lookup deferred, or no room while transfers are in flight: skip it, retry next step
+    DEFER = "defer"
+    #: no room (or the run stops): admit no more this step
+    FULL = "full"
+    #: it never fits: rejected
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The result of one admission attempt (tokens, blocks and load when admitted)."""
+
+    outcome: AdmitOutcome
+    num_new_tokens: int = 0
+    new_block_ids: BlockIds | None = None
+    load: LoadPlan | None = None
+
+
+_DEFER = Admission(AdmitOutcome.DEFER)
+_FULL = Admission(AdmitOutcome.FULL)
+_REJECT = Admission(AdmitOutcome.REJECTED)
+
+
+class Scheduled(NamedTuple):
+    """A request scheduled in a step: its new tokens, and its newly allocated
+    block ids per group (None: nothing allocated)."""
+
+    request: LiveRequest
+    num_new_tokens: int
+    new_block_ids: BlockIds | None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob:
+    """A load (``h2d``) or store (``d2h``) job to submit, with its size."""
+
+    job_id: int
+    req_id: str
+    direction: Literal["h2d", "d2h"]
+    chunks: int
+    blocks: int
+    nbytes: int
+    plan: LoadPlan | StorePlan
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step runs (vLLM's ``SchedulerOutput`` plus the connector's metadata).
+
+    Attributes:
+        scheduled: the requests of the forward pass, in batch order.
+        admitted: requests admitted this step (prefill scheduled or load issued).
+        preempted: running requests preempted this step.
+        loads: load jobs to submit (after the flushes and the deferred stores).
+        stores: store jobs built this step (submitted with the next step
+            unless flushed now).
+        flush: store jobs that must complete before the forward pass.
+        released_finished: requests finished in the previous step were released.
+        broke_deadlock: a request was rejected or holders were preempted to
+            break a deadlock.
+        prefill_tokens, decode_seqs, context_tokens: the cost model's inputs.
+        stopped: a modelled crash stopped the run (``on_crash = "stop"``);
+            nothing else of the plan is set.
+    """
+
+    scheduled: tuple[Scheduled, ...] = ()
+    admitted: tuple[LiveRequest, ...] = ()
+    preempted: tuple[LiveRequest, ...] = ()
+    loads: tuple[TransferJob, ...] = ()
+    stores: tuple[TransferJob, ...] = ()
+    flush: frozenset[int] = frozenset()
+    released_finished: bool = False
+    broke_deadlock: bool = False
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: float = 0.0
+    stopped: bool = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether the step does anything (the engine adds deferred stores and
+        polled completions)."""
+        return bool(self.scheduled or self.loads or self.stores or self.admitted or self.preempted
+                    or self.released_finished or self.flush or self.broke_deadlock)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What :meth:`Scheduler.update_from_output` did."""
+
+    finished: tuple[LiveRequest, ...]
+    #: transfer completions applied
+    polled: int
+
+
+class ChunkRange(NamedTuple):
+    """Chunks ``first..last`` of a group, all in one state (check/1 vocabulary)."""
+
+    first: int
+    last: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReproducerSnapshot:
+    """What a request met when it crashed or hit a hazard: a ``check/1`` case.
+
+    The chunk states are those before the request's own load pinned them.
+    """
+
+    req_id: str
+    t_s: float
+    kind: str
+    detail: str
+    logic: str
+    groups: tuple[GroupSpec, ...]
+    blocks_per_chunk: int
+    tokens_per_hash: int
+    num_tokens: int
+    local_hit_tokens: int
+    prefix_caching: bool
+    cpu_capacity_chunks: int
+    #: (group, ranges) for every group with a stated chunk
+    chunk_states: tuple[tuple[int, tuple[ChunkRange, ...]], ...]
+
+    @property
+    def stated_ranges(self) -> int:
+        """How many ranges are stated, over all groups."""
+        return sum(len(ranges) for _, ranges in self.chunk_states)
+
+
+_STATE_NAMES = {ChunkState.READY: "present", ChunkState.PENDING: "pending", ChunkState.LOADING: "loading"}
+
+
+def _ranges(names: Sequence[str | None]) -> tuple[ChunkRange, ...]:
+    """Runs of equal names (None: not stated)."""
+    out: list[ChunkRange] = []
+    j = 0
+    while j < len(names):
+        name = names[j]
+        k = j
+        while k + 1 < len(names) and names[k + 1] == name:
+            k += 1
+        if name is not None:
+            out.append(ChunkRange(j, k, name))
+        j = k + 1
+    return tuple(out)
+
+
+# -- the cost model's context term -----------------------------------------------------------
+
+_FULL_KIND = GroupKind.FULL
+_CHUNKED_KIND = GroupKind.CHUNKED_LOCAL
+
+#: what a group of each kind reads of a ``c``-token context: full attention all
+#: of it; chunked local the tokens of its current ``span``-token chunk; a sliding
+#: window or a mamba state the last ``span`` tokens (the window, one state block)
+_SPAN: dict[GroupKind, Callable[[GroupSpec], int | None]] = {
+    GroupKind.FULL: lambda spec: 0,
+    GroupKind.SLIDING_WINDOW: lambda spec: spec.window,
+    GroupKind.CHUNKED_LOCAL: lambda spec: spec.attention_chunk,
+    GroupKind.MAMBA: lambda spec: spec.tokens_per_block,
+}
+
+
+class AttendedContext:
+    """KV bytes a request reads per step (see :data:`_SPAN`), per group weighted
+    by KV bytes per token; without byte figures every group weighs 1 byte per token."""
+
+    def __init__(self, layout: Layout) -> None:
+        sized = all(layout.kv_bytes_per_block(g) for g in range(len(layout.groups)))
+        #: per group: (kind, span tokens, KV bytes per token)
+        self.terms: list[tuple[GroupKind, int, int]] = []
+        for g, spec in enumerate(layout.groups):
+            bpt = max(1, (layout.kv_bytes_per_block(g) or 0) // spec.tokens_per_block) if sized else 1
+            span = _SPAN[spec.kind](spec)
+            assert span is not None
+            self.terms.append((spec.kind, span, bpt))
+        #: bytes per token over all groups (divides attended bytes into
+        #: full-attention token equivalents)
+        self.bytes_per_token = sum(bpt for _, _, bpt in self.terms)
+
+    def attended(self, c: int) -> int:
+        """KV bytes one request reads with ``c`` tokens of context."""
+        total = 0
+        for kind, p, bpt in self.terms:
+            if kind is _FULL_KIND:
+                a = c
+            elif kind is _CHUNKED_KIND:
+                a = c - ((c - 1) // p) * p if c > 0 else 0
+            else:
+                a = c if c < p else p
+            total += a * bpt
+        return total
+
+    def attended_runs(self, running: Sequence[LiveRequest], k: int) -> list[int]:
+        """:meth:`attended` summed over ``running`` for decode steps 0..k-1
+        (context ``num_computed + 1 + s``), vectorised; exact integers."""
+        c = (np.fromiter((r.num_computed + 1 for r in running), dtype=np.int64, count=len(running))[:, None]
+             + np.arange(k, dtype=np.int64)[None, :])
+        tot = np.zeros(k, dtype=np.int64)
+        for kind, p, bpt in self.terms:
+            if kind is _FULL_KIND:
+                a = c
+            elif kind is _CHUNKED_KIND:
+                a = c - ((c - 1) // p) * p
+            else:
+                a = np.minimum(c, p)
+            tot += (a * bpt).sum(axis=0)
+        return [int(x) for x in tot]
+
+
+@dataclass
+class FastForward:
+    """A run of ``k`` pure decode steps being applied (see :meth:`Scheduler.plan_fast_forward`)."""
+
+    #: the step durations (the cost model's, one per step)
+    durations: tuple[float, ...]
+    #: the attended context of the first step, in full-attention token equivalents
+    context0: float
+    running: list[LiveRequest]
+    nc0: list[int]
+    nt0: list[int]
+    #: (step, running index) of each request's next allocation, free or commit
+    heap: list[tuple[int, int]]
+    new_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    #: copy path: tokens written so far, per request
+    written: list[int] = field(default_factory=list)
+
+    @property
+    def k(self) -> int:
+        return len(self.durations)
+
+
+class Scheduler:
+    """The clock-free scheduler of one engine (see the module docstring).
+
+    Args:
+        cfg: policy, caches and cost model.
+        hooks: what the engine wants to see (default: nothing).
+    """
+
+    def __init__(self, cfg: SchedulerConfig, hooks: SchedulerHooks | None = None) -> None:
+        self.cfg = cfg
+        self.hooks = hooks or SchedulerHooks()
+        layout = cfg.layout
+        self.layout = layout
+        self.tph = layout.tokens_per_hash
+        self.gpu = GpuKVCache(layout, cfg.gpu_blocks, enable_caching=cfg.prefix_caching)
+        self.cpu: CpuChunkCache | None = None
+        self.conn: OffloadingScheduler | None = None
+        if cfg.offloading:
+            self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction)
+            self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
+                                            prefix_caching=cfg.prefix_caching,
+                                            offload_prompt_only=cfg.offload_prompt_only,
+                                            assertions=cfg.assertions)
+        self.block_bytes = tuple(layout.kv_bytes_per_block(g) or 0 for g in range(len(layout.groups)))
+        self.context = AttendedContext(layout)
+        self.stats = SchedulerStats()
+        #: requests in the engine (not finished, or finished with final stores to build), by arrival
+        self.requests: dict[str, LiveRequest] = {}
+        self.running: list[LiveRequest] = []
+        self.waiting: deque[LiveRequest] = deque()
+        #: requests skipped (deferred, or waiting for their load): in front of ``waiting``
+        self.skipped: deque[LiveRequest] = deque()
+        #: finished in the last update: their final stores come with the next step
+        self.finished_pending: list[LiveRequest] = []
+        #: jobs of the plans handed out and not yet reported complete
+        self.in_flight: set[int] = set()
+        #: a modelled crash stopped the run (``on_crash = "stop"``)
+        self.stopped = False
+        #: snapshots of modelled crashes and hazards (the first ``max_reproducers``)
+        self.reproducers: list[ReproducerSnapshot] = []
+        self.max_reproducers = 100
+        self.now = 0.0
+        self._broke_deadlock = False
+        self._loads_this_step = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> LiveRequest:
+        """A request arrives: it joins the waiting queue."""
+        r = LiveRequest(req, self.tph)
+        self.requests[r.req_id] = r
+        self.stats.requests_arrived += 1
+        self.stats.prompt_tokens += r.num_prompt_tokens
+        self.waiting.append(r)
+        if self.conn is not None:
+            self.conn.on_new_request(r)
+        return r
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting (for admission or for their load)."""
+        return len(self.waiting) + len(self.skipped)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return sum(1 for r in self.skipped if r.status is _WAITING_FOR_KV)
+
+    # -- schedule ---------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        """Decide one step (phases 1-3 of the module docstring)."""
+        self.now = now
+        budget = self.cfg.max_num_batched_tokens
+        self._broke_deadlock = False
+        self._loads_this_step = 0
+        sched: list[Scheduled] = []
+        preempted: list[LiveRequest] = []
+        allocated: set[int] = set()
+        budget = self._schedule_running(budget, sched, preempted, allocated)
+        loads: list[LoadPlan] = []
+        admitted: list[LiveRequest] = []
+        if not preempted:
+            self._schedule_waiting(budget, sched, loads, admitted, allocated)
+        if self.stopped:
+            return StepPlan(stopped=True)
+        flush, stores = self._connector_metadata(sched, preempted, allocated)
+        store_jobs = tuple(self._job(p, "d2h") for p in stores)
+        released = bool(self.finished_pending)
+        for r in self.finished_pending:
+            self._release(r)
+        self.finished_pending = []
+        load_jobs = tuple(self._job(p, "h2d") for p in loads)
+        prefill = decode = attended = 0
+        att = self.context.attended
+        for r, num_new, _ in sched:
+            if r.num_computed >= r.num_prompt_tokens and r.num_computed == r.num_tokens - 1:
+                decode += 1
+            else:
+                prefill += num_new
+            attended += att(r.num_computed + num_new)
+        return StepPlan(tuple(sched), tuple(admitted), tuple(preempted), load_jobs, store_jobs,
+                        frozenset(flush), released, self._broke_deadlock, prefill, decode,
+                        attended / self.context.bytes_per_token)
+
+    def _schedule_running(self, budget: int, sched: list[Scheduled], preempted: list[LiveRequest],
+                          allocated: set[int]) -> int:
+        """Phase 1: slots for the running requests, in order; the budget left."""
+        gpu = self.gpu
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            num_new = min(r.num_tokens - r.num_computed, budget)
+            if r.num_computed + num_new < r.thr_slots and r.num_computed < r.thr_comp:
+                sched.append(Scheduled(r, num_new, None))     # nothing to allocate, free or commit
+                budget -= num_new
+                i += 1
+                continue
+            ids = self._allocate_or_preempt(r, num_new, preempted)
+            if ids is None:
+                break
+            self._commit(r, r.num_computed + num_new)
+            r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+            for new in ids:
+                allocated.update(new)
+            sched.append(Scheduled(r, num_new, ids))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, r: LiveRequest, num_new: int,
+                             preempted: list[LiveRequest]) -> BlockIds | None:
+        """Slots for ``r``'s next tokens, preempting from the end of the batch
+        while the pool is short; None when ``r`` itself went (preempted or
+        rejected)."""
+        gpu, running = self.gpu, self.running
+        while True:
+            ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
+            if ids is not None:
+                return ids
+            victim = running.pop()
+            if victim is r and not running and len(gpu.req_blocks) == 1 and not self.in_flight:
+                # alone with the whole pool and still short: it never fits
+                gpu.free(r.req_id)
+                self._reject(r, f"its next prefill chunk does not fit in the GPU block pool "
+                                f"({self.cfg.gpu_blocks} blocks) even alone")
+                self._broke_deadlock = True
+                return None
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is r:
+                return None
+
+    def _schedule_waiting(self, budget: int, sched: list[Scheduled], loads: list[LoadPlan],
+                          admitted: list[LiveRequest], allocated: set[int]) -> None:
+        """Phase 2: admit waiting requests, FCFS, the skipped ones first."""
+        step_skipped: deque[LiveRequest] = deque()
+        running = self.running
+        while (self.skipped or self.waiting) and budget > 0:
+            if len(running) >= self.cfg.max_num_seqs:
+                break
+            q = self.skipped if self.skipped else self.waiting
+            r = q[0]
+            if r.status is _WAITING_FOR_KV:
+                if not r.load_ready:
+                    q.popleft()
+                    step_skipped.appendleft(r)
+                    continue
+                self._promote(r)
+            res = self._admit(r, budget, allocated)
+            outcome = res.outcome
+            if outcome is AdmitOutcome.DEFER:     # lookup deferred: skip, retry next step
+                q.popleft()
+                step_skipped.appendleft(r)
+                continue
+            if outcome is AdmitOutcome.REJECTED:
+                q.popleft()
+                continue
+            if outcome is AdmitOutcome.FULL:      # no room (or stop): stop admitting
+                break
+            q.popleft()
+            admitted.append(r)
+            if r.scheduled_s is None:
+                r.scheduled_s = self.now
+            if res.load is not None:
+                loads.append(res.load)
+                self._loads_this_step += 1
+                step_skipped.appendleft(r)
+                continue
+            r.status = _RUNNING
+            running.append(r)
+            sched.append(Scheduled(r, res.num_new_tokens, res.new_block_ids))
+            budget -= res.num_new_tokens
+        self.skipped.extendleft(step_skipped)
+
+    def _admit(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
+        """Try to admit the waiting request at the head of the queue."""
+        gpu, conn = self.gpu, self.conn
+        if r.num_computed > 0:        # promoted after its load
+            return self._admit_loaded(r, budget, allocated)
+        local_tokens, local = gpu.find_hit(r.block_hashes, r.num_tokens - 1)
+        ext = 0
+        load_async = False
+        if conn is not None and not r.no_external:
+            m = conn.get_num_new_matched_tokens(r, local_tokens)
+            if m.tokens is None:
+                self._count_deferral(r, m.defer_reason or "unknown")
+                return _DEFER
+            ext, load_async = m.tokens, m.load_async
+        comp = local_tokens + ext
+        num_new = 0 if load_async else min(r.num_tokens - comp, budget)
+        alloc = gpu.allocate_new(r.req_id, local, local_tokens, ext, comp + num_new)
+        if alloc is None:
+            return self._no_room(r)
+        load: LoadPlan | None = None
+        if conn is not None:
+            try:
+                load = conn.update_state_after_alloc(r, alloc.blocks, ext, alloc.null_prefix)
+            except ModelledCrashError as exc:
+                retry = self._after_crash(r, exc, local, local_tokens, budget)
+                if retry is None:
+                    return _FULL
+                alloc = retry
+                ext, comp = 0, local_tokens
+                num_new = min(r.num_tokens - comp, budget)
+            if load is not None:
+                self._record_hazards(r, load, local_tokens)
+        for new in alloc.new_block_ids:
+            allocated.update(new)
+        if r.preemptions == 0 and r.scheduled_s is None:
+            r.gpu_hit_tokens = local_tokens
+            self.stats.gpu_hit_tokens += local_tokens
+        r.synced = False
+        r.num_computed = comp
+        if load is not None:
+            self._wait_for_load(r, load, ext)
+            return Admission(AdmitOutcome.ADMITTED, 0, None, load)
+        self._commit(r, comp + num_new)
+        r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+        return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
+
+    def _admit_loaded(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
+        """Admit a request whose load completed (its blocks are allocated)."""
+        gpu = self.gpu
+        num_new = min(r.num_tokens - r.num_computed, budget)
+        ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
+        if ids is None:
+            return self._no_room(r)
+        self._commit(r, r.num_computed + num_new)
+        r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+        for new in ids:
+            allocated.update(new)
+        return Admission(AdmitOutcome.ADMITTED, num_new, ids, None)
+
+    def _count_deferral(self, r: LiveRequest, why: str) -> None:
+        r.deferrals += 1
+        s = self.stats
+        s.deferrals += 1
+        s.deferral_reasons[why] = s.deferral_reasons.get(why, 0) + 1
+
+    def _after_crash(self, r: LiveRequest, exc: ModelledCrashError, local: Sequence[Sequence[Block]],
+                     local_tokens: int, budget: int) -> Allocation | None:
+        """A modelled crash in ``update_state_after_alloc``: record it; stop the
+        run, or drop the request's external hit for good and allocate again
+        (None: stop admitting)."""
+        conn = self.conn
+        assert conn is not None
+        self._record_crash(r, exc)
+        self._reproduce(r, local_tokens, "crash", exc.crash.kind, (), ())
+        self.gpu.free(r.req_id)
+        if self.cfg.on_crash == "stop":
+            self.stopped = True
+            return None
+        r.no_external = True
+        num_new = min(r.num_tokens - local_tokens, budget)
+        alloc = self.gpu.allocate_new(r.req_id, local, local_tokens, 0, local_tokens + num_new)
+        if alloc is None:
+            return None
+        conn.update_state_after_alloc(r, alloc.blocks, 0, alloc.null_prefix)
+        return alloc
+
+    def _record_hazards(self, r: LiveRequest, load: LoadPlan, local_tokens: int) -> None:
+        s = self.stats
+        for h in load.hazards:
+            what = ("is already being loaded" if h.kind == "double_load"
+                    else "is read before its store completed (assertions stripped)")
+            self._event("hazard", h.kind, r.req_id, h.group, h.chunk, f"chunk ({h.group}, {h.chunk}) {what}")
+            s.hazards += 1
+            s.hazard_kinds[h.kind] = s.hazard_kinds.get(h.kind, 0) + 1
+        if load.hazards:
+            self._reproduce(r, local_tokens, "hazard", load.hazards[0].kind, load.keys, load.unsafe)
+
+    def _wait_for_load(self, r: LiveRequest, load: LoadPlan, ext: int) -> None:
+        """``r`` waits for its load of ``ext`` tokens (vLLM WAITING_FOR_REMOTE_KVS)."""
+        r.status = _WAITING_FOR_KV
+        r.load_job = load.job_id
+        r.load_ready = False
+        s = self.stats
+        if r.preemptions == 0:
+            r.cpu_hit_tokens += ext
+            s.cpu_hit_tokens += ext
+        else:
+            r.cpu_reload_tokens += ext
+            s.cpu_reload_tokens += ext
+
+    def _no_room(self, r: LiveRequest) -> Admission:
+        """The GPU pool cannot take ``r`` now. Normally admission stops (FCFS).
+        With nothing running no room would ever come that way: wait while
+        transfers are in flight; reject ``r`` if it holds the pool alone;
+        else other waiting requests (loaded, or partly prefilled) hold blocks
+        that nothing frees: preempt them all and stop admitting this step, so
+        that ``r`` has the pool to itself next step (deadlock breaker: vLLM
+        avoids most of these states with an admission reservation for async
+        loads, which is not modelled)."""
+        if self.running:
+            return _FULL
+        if self.in_flight or self._loads_this_step:
+            return _DEFER
+        gpu = self.gpu
+        if all(rid == r.req_id for rid in gpu.req_blocks):
+            if r.req_id in gpu.req_blocks:
+                gpu.free(r.req_id)
+            self._reject(r, f"does not fit in the GPU block pool ({self.cfg.gpu_blocks} blocks)")
+            return _REJECT
+        for v in [q for q in self.requests.values() if q is not r and q.req_id in gpu.req_blocks
+                  and (q.status is not _WAITING_FOR_KV or q.load_ready)]:
+            gpu.free(v.req_id)
+            v.num_computed = 0
+            v.status = _WAITING
+            v.load_job = None
+            v.load_ready = False
+            v.preemptions += 1
+            self.stats.preemptions += 1
+            self._event("preempted", "deadlock_break", v.req_id, -1, -1,
+                        f"a waiting request held GPU blocks while {r.req_id} could not get room "
+                        "and nothing was running")
+        self._broke_deadlock = True
+        return _FULL
+
+    def _promote(self, r: LiveRequest) -> None:
+        """A loaded request leaves WAITING_FOR_KV (spec §9 1.b)."""
+        self._commit(r, r.num_computed)
+        if r.num_computed == r.num_tokens:
+            r.num_computed -= 1
+        r.status = _WAITING
+        r.load_job = None
+        r.load_ready = False
+        r.high_water = max(r.high_water, r.num_computed)
+        if self.hooks.promoted is not None:
+            self.hooks.promoted(r)
+
+    def _commit(self, r: LiveRequest, num_tokens: int) -> None:
+        if self.cfg.prefix_caching:
+            self.gpu.commit(r.req_id, r.block_hashes, min(num_tokens, r.num_tokens))
+
+    def _preempt(self, r: LiveRequest) -> None:
+        """Recompute preemption: blocks freed, back to the front of the waiting queue."""
+        self.gpu.free(r.req_id)
+        r.num_computed = 0
+        r.status = _WAITING
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _connector_metadata(self, sched: list[Scheduled], preempted: list[LiveRequest],
+                            allocated: set[int]) -> tuple[set[int], list[StorePlan]]:
+        """Phase 3: block ids, zeroing, flush fences, store jobs (spec §7.6)."""
+        flush: set[int] = set()
+        stores: list[StorePlan] = []
+        conn = self.conn
+        if conn is None:
+            return flush, stores
+        conn.zero_reallocated(allocated)
+        self._sync_block_ids(conn, sched)
+        for r in preempted:
+            flush |= conn.store_jobs_of(r.req_id)
+        if allocated and conn.block_fences:
+            flush |= conn.stores_reading(allocated)
+        for r, num_new, _ in sched:
+            plan = conn.build_store_job(r.req_id, r.num_computed + num_new)
+            if plan is not None:
+                stores.append(plan)
+        for r in self.finished_pending:
+            if conn.has_request(r.req_id):
+                plan = conn.build_store_job(r.req_id, None, allocated)
+                if plan is not None:
+                    stores.append(plan)
+                    if plan.flush_now:
+                        flush.add(plan.job_id)
+                conn.drop_if_idle(r.req_id)
+        return flush, stores
+
+    def _sync_block_ids(self, conn: OffloadingScheduler, sched: list[Scheduled]) -> None:
+        for r, _, ids in sched:
+            if not r.synced:
+                conn.update_block_ids(r.req_id, [[b.block_id for b in bl]
+                                                 for bl in self.gpu.req_blocks[r.req_id]])
+                r.synced = True
+            elif ids is not None:
+                conn.update_block_ids(r.req_id, ids)
+
+    def _job(self, p: LoadPlan | StorePlan, direction: Literal["h2d", "d2h"]) -> TransferJob:
+        """A transfer job for a plan; its bytes count for the request and the run."""
+        sizes = p.group_sizes
+        blocks = sum(sizes)
+        nbytes = sum(n * b for n, b in zip(sizes, self.block_bytes, strict=True))
+        self.in_flight.add(p.job_id)
+        r = self.requests[p.req_id]
+        s = self.stats
+        if direction == "h2d":
+            r.loaded_bytes += nbytes
+            r.load_jobs += 1
+            s.load_jobs += 1
+            s.loaded_bytes += nbytes
+        else:
+            r.stored_bytes += nbytes
+            r.store_jobs += 1
+            s.store_jobs += 1
+            s.stored_bytes += nbytes
+        return TransferJob(p.job_id, p.req_id, direction, len(p.keys), blocks, nbytes, p)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def update_from_output(self, now: float, plan: StepPlan,
+                           completed: Sequence[LoadPlan | StorePlan]) -> StepOutput:
+        """The forward pass of ``plan`` ran; ``completed``: the transfer jobs
+        completed by now, in completion order (phase 4 of the module docstring)."""
+        self.now = now
+        computed = self.hooks.computed
+        if computed is not None:
+            for r, num_new, _ in plan.scheduled:
+                computed(r, r.num_computed, r.num_computed + num_new)
+        for r, num_new, _ in plan.scheduled:
+            self._advance(r, num_new)
+        finished: list[LiveRequest] = []
+        for r, _, _ in plan.scheduled:
+            if r.status is _RUNNING and r.generated >= r.req.output_tokens:
+                self._finish(r)
+                finished.append(r)
+        return StepOutput(tuple(finished), self.apply_transfers(completed))
+
+    def _advance(self, r: LiveRequest, num_new: int) -> None:
+        """Tokens computed by the forward pass; sample when the sequence is complete."""
+        a = r.num_computed
+        b = a + num_new
+        if a < r.num_prompt_tokens or b < r.num_tokens:   # prefill work
+            redo = max(0, min(b, r.high_water) - a)
+            r.recomputed_tokens += redo
+            r.computed_tokens += num_new
+            self.stats.computed_tokens += num_new
+            self.stats.recomputed_tokens += redo
+        r.high_water = max(r.high_water, b)
+        r.num_computed = b
+        if b >= r.num_tokens:
+            r.generated += 1
+            r.num_tokens += 1
+            if r.generated == 1 and r.first_token_s is None:
+                r.first_token_s = self.now
+
+    def _finish(self, r: LiveRequest) -> None:
+        """A stop condition: the request leaves the batch; its blocks are freed
+        now, its final stores come with the next step (then it is released)."""
+        self.running.remove(r)
+        r.status = _FINISHED
+        r.finish_s = self.now
+        if self.conn is not None and self.conn.has_request(r.req_id):
+            self.conn.request_finished(r.req_id)
+            self.finished_pending.append(r)
+            self.gpu.free(r.req_id)
+        else:
+            self.gpu.free(r.req_id)
+            self._release(r)
+
+    def apply_transfers(self, completed: Sequence[LoadPlan | StorePlan]) -> int:
+        """Transfer jobs completed, in completion order: the connector updates
+        the CPU cache; a loaded request is marked ready. Returns how many."""
+        if not completed:
+            return 0
+        conn = self.conn
+        assert conn is not None
+        load_done = self.hooks.load_done
+        for p in completed:
+            self.in_flight.discard(p.job_id)
+            req_id, is_store = conn.complete_job(p.job_id)
+            if not is_store:
+                r = self.requests.get(req_id)
+                if r is not None and r.load_job == p.job_id:
+                    r.load_ready = True
+                    if load_done is not None and isinstance(p, LoadPlan):
+                        load_done(r, p)
+        return len(completed)
+
+    # -- leaving ----------------------------------------------------------------------------
+
+    def _reject(self, r: LiveRequest, reason: str) -> None:
+        r.status = _REJECTED
+        r.finish_s = self.now
+        self._event("rejected", "too_long", r.req_id, -1, -1,
+                    f"{r.num_prompt_tokens} prompt tokens: {reason}")
+        if self.conn is not None and self.conn.has_request(r.req_id):
+            self.conn.request_finished(r.req_id)
+            self.conn.drop_if_idle(r.req_id)
+        self._release(r)
+
+    def _release(self, r: LiveRequest) -> None:
+        """The request is done with the engine."""
+        del self.requests[r.req_id]
+        if self.hooks.release is not None:
+            self.hooks.release(r)
+
+    # -- events and reproducers -------------------------------------------------------------
+
+    def _event(self, kind: str, detail: str, req_id: str | None, group: int, chunk: int,
+               message: str) -> None:
+        self.hooks.event(ModelEvent(self.now, kind, detail, req_id, group, chunk, message))
+
+    def _record_crash(self, r: LiveRequest, exc: ModelledCrashError) -> None:
+        c = exc.crash
+        r.crash = c.kind
+        s = self.stats
+        s.crashes += 1
+        s.crash_kinds[c.kind] = s.crash_kinds.get(c.kind, 0) + 1
+        if s.first_crash_s is None:
+            s.first_crash_s = self.now
+        self._event("crash", c.kind, r.req_id, -1 if c.group is None else c.group,
+                    -1 if c.chunk is None else c.chunk, f"{c.where}: {c.message}")
+
+    def _reproduce(self, r: LiveRequest, local_tokens: int, kind: str, detail: str,
+                   own_load: Sequence[object], unsafe: Sequence[object]) -> None:
+        """Snapshot what the request met (a reproducer): the layout, its length,
+        its local hit and the states of its chunks (before its own load pinned
+        them)."""
+        conn, cpu = self.conn, self.cpu
+        if conn is None or cpu is None or len(self.reproducers) >= self.max_reproducers:
+            return
+        own = set(own_load) - set(unsafe)
+        groups = range(len(self.layout.groups))
+        states: list[tuple[int, tuple[ChunkRange, ...]]] = []
+        for g in groups:
+            names: list[str | None] = []
+            for key in conn.keys_of(r.req_id, g):
+                st = cpu.state(key)
+                if key in own:   # pinned by this request's own load: as it was before
+                    ref = cpu.ref_count(key) or 0
+                    st = ChunkState.LOADING if ref > 1 else ChunkState.READY
+                names.append(_STATE_NAMES.get(st))
+            ranges = _ranges(names)
+            if ranges:
+                states.append((g, ranges))
+        capacity = max(100, 4 * sum(len(conn.keys_of(r.req_id, g)) for g in groups))
+        self.reproducers.append(ReproducerSnapshot(
+            r.req_id, self.now, kind, detail, self.cfg.window_logic, tuple(self.layout.groups),
+            self.layout.blocks_per_chunk, self.layout.tokens_per_hash, r.num_tokens, local_tokens,
+            self.cfg.prefix_caching, capacity, tuple(states)))
+
+    # -- decode fast-forward ----------------------------------------------------------------
+
+    def can_fast_forward(self) -> bool:
+        """Every running request decodes and has 3+ tokens to go, no store is
+        due, nothing finished is pending, and the waiting queue cannot change
+        the batch (the engine adds: no deferred store, no unpolled completion)."""
+        cfg = self.cfg
+        running = self.running
+        if (not cfg.fast_forward or not running or self.finished_pending
+                or len(running) > cfg.max_num_batched_tokens):
+            return False
+        if (self.waiting or self.skipped) and len(running) < cfg.max_num_seqs:
+            if self.waiting:
+                return False
+            if any(r.status is not _WAITING_FOR_KV or r.load_ready for r in self.skipped):
+                return False
+        conn = self.conn
+        for r in running:
+            if r.num_computed != r.num_tokens - 1 or r.req.output_tokens - r.generated < 3:
+                return False
+            if conn is not None and not conn.store_idle(r.req_id, r.num_tokens):
+                return False
+        return True
+
+    def plan_fast_forward(self, now: float, horizon: float) -> FastForward | None:
+        """``k >= 2`` pure decode steps that start before ``horizon`` (the first
+        at ``now``), end before any request's last step, and fit in the free
+        blocks no pending store reads; None if fewer."""
+        running = list(self.running)
+        n = len(running)
+        # steps before any request's last one
+        kmax = min(r.req.output_tokens - r.generated for r in running) - 1
+        # time: step s (s >= 1) is in the window only if it starts before the horizon
+        cost = self.cfg.step_cost
+        kmax = min(kmax, 4096)
+        ctx = self.context.attended_runs(running, kmax)
+        bpt_total = self.context.bytes_per_token
+        ctx0 = ctx[0] / bpt_total
+        durs: list[float] = []
+        t = now
+        while len(durs) < kmax:
+            if durs and not t < horizon:
+                break
+            d = cost.step_time(0, n, ctx[len(durs)] / bpt_total)
+            durs.append(d)
+            t = t + d
+        k = len(durs)
+        if k < 2:
+            return None
+        k = self._fast_forward_room(running, k)
+        if k < 2:
+            return None
+        nc0 = [r.num_computed for r in running]
+        heap = [(s, i) for i, r in enumerate(running)
+                if (s := min(r.thr_slots - nc0[i] - 1, r.thr_comp - nc0[i])) < k]
+        heapq.heapify(heap)
+        return FastForward(tuple(durs[:k]), ctx0, running, nc0, [r.num_tokens for r in running], heap,
+                           written=list(nc0))
+
+    def _fast_forward_room(self, running: list[LiveRequest], k: int) -> int:
+        """How many of ``k`` decode steps the free blocks allow (a new block when
+        the slot count passes the list; only currently free blocks may be handed
+        out, and none a pending store reads)."""
+        gpu = self.gpu
+        pool = gpu.pool
+        steps_alloc = [0] * k
+        for r in running:
+            nc = r.num_computed
+            for g, blocks in enumerate(gpu.req_blocks[r.req_id]):
+                bs = self.layout.groups[g].tokens_per_block
+                for s in range(len(blocks) * bs - nc, k, bs):
+                    steps_alloc[s] += 1
+        limit = pool.num_free
+        fences = self.conn.block_fences if self.conn is not None else {}
+        if fences:
+            for pos, bid in enumerate(pool.free_ids_head(limit)):
+                if bid in fences:
+                    limit = pos
+                    break
+        total = 0
+        for s in range(k):
+            total += steps_alloc[s]
+            if total > limit:
+                return s
+        return k
+
+    def fast_forward_step(self, ff: FastForward, s: int) -> None:
+        """Apply decode step ``s`` of ``ff`` (before its forward pass): the
+        requests that cross a block boundary allocate, free and commit."""
+        gpu = self.gpu
+        heap, running, nc0, nt0 = ff.heap, ff.running, ff.nc0, ff.nt0
+        k = ff.k
+        computed = self.hooks.computed
+        while heap and heap[0][0] <= s:
+            _, i = heapq.heappop(heap)
+            r = running[i]
+            nc = nc0[i] + s
+            r.num_computed = nc
+            r.num_tokens = nt0[i] + s
+            if computed is not None:    # write what the steps so far computed, before any free
+                computed(r, ff.written[i], nc)
+                ff.written[i] = nc
+            ids = gpu.allocate_more(r.req_id, nc, nc + 1)
+            if ids is None:
+                raise InvariantViolation("fast-forward allocation failed after the dry run")
+            acc = ff.new_ids.setdefault(i, [[] for _ in ids])
+            for g, new in enumerate(ids):
+                acc[g].extend(new)
+            self._commit(r, nc + 1)
+            r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
+            nxt = s + max(1, min(r.thr_slots - nc - 1, r.thr_comp - nc))
+            if nxt < k:
+                heapq.heappush(heap, (nxt, i))
+
+    def finish_fast_forward(self, ff: FastForward) -> None:
+        """The ``k`` steps ran: every request computed and sampled ``k`` tokens."""
+        k = ff.k
+        computed = self.hooks.computed
+        for i, r in enumerate(ff.running):
+            if computed is not None:
+                computed(r, ff.written[i], ff.nc0[i] + k)
+            r.num_computed = ff.nc0[i] + k
+            r.num_tokens = ff.nt0[i] + k
+            r.high_water = r.num_computed
+            r.generated += k
+        if self.conn is not None:
+            for i, acc in ff.new_ids.items():
+                self.conn.update_block_ids(ff.running[i].req_id, acc)
+
+    # -- end of run -------------------------------------------------------------------------
+
+    def invariant_problems(self) -> list[str]:
+        """What is wrong at the end of a completed run (empty: nothing)."""
+        problems: list[str] = []
+        if self.requests:
+            problems.append(f"{len(self.requests)} requests neither finished nor rejected")
+        gpu = self.gpu
+        try:
+            gpu.pool.check_invariants()
+        except Exception as exc:
+            problems.append(f"GPU pool: {exc}")
+        if gpu.pool.num_used or gpu.req_blocks:
+            problems.append(f"{gpu.pool.num_used} GPU blocks still referenced "
+                            f"by {sorted(gpu.req_blocks)[:5]}")
+        if self.cpu is not None:
+            if self.cpu.num_pending:
+                problems.append(f"{self.cpu.num_pending} CPU chunks still pending a store")
+            if self.cpu.num_loading:
+                problems.append(f"{self.cpu.num_loading} CPU chunks still being loaded")
+            try:
+                self.cpu.check_invariants()
+            except Exception as exc:
+                problems.append(f"CPU cache: {exc}")
+        if self.conn is not None and (self.conn.num_jobs or self.conn.num_requests):
+            problems.append(f"connector holds {self.conn.num_jobs} jobs and "
+                            f"{self.conn.num_requests} request states")
+        return problems

@@ -1,0 +1,274 @@
+"""The clock-free scheduler, driven step by step without SimPy (in the style of
+vLLM's tests/v1/core/test_scheduler.py): admission, chunked prefill,
+preemption, async loads, lookup deferral, rejection, the decode fast-forward."""
+
+from __future__ import annotations
+
+from sim.io.workload import chain_hash
+from sim.model.connector import LoadPlan, StorePlan
+from sim.model.costs import StepCostModel
+from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.request import LiveRequest, Request, RequestStatus
+from sim.model.scheduler import (
+    AttendedContext,
+    ModelEvent,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerHooks,
+    StepOutput,
+    StepPlan,
+)
+
+#: one full-attention group, 16-token blocks, one block per chunk, 1000 bytes a block
+FA16 = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=1000)], tokens_per_hash=16,
+                 blocks_per_chunk=1)
+
+
+def make_request(rid: str, prompt: int, out: int, prefix: int) -> Request:
+    """Prompt hashes depend only on ``prefix``; output hashes are the request's own."""
+    hashes: list[int] = []
+    h = 0
+    for j in range((prompt + out) // 16):
+        h = chain_hash(h, prefix * 1_000_003 + j if j < prompt // 16 else sum(map(ord, rid)) * 7919 + j)
+        hashes.append(h)
+    return Request(rid, 0.0, prompt, out, hashes)
+
+
+class World:
+    """A scheduler and what its hooks saw."""
+
+    def __init__(self, **cfg: object) -> None:
+        self.events: list[ModelEvent] = []
+        self.released: list[str] = []
+        hooks = SchedulerHooks(event=self.events.append, release=lambda r: self.released.append(r.req_id))
+        self.sched = Scheduler(SchedulerConfig(layout=FA16, **cfg), hooks)  # type: ignore[arg-type]
+        self.t = 0.0
+
+    def add(self, rid: str, prompt: int, out: int, prefix: int) -> LiveRequest:
+        return self.sched.add_request(make_request(rid, prompt, out, prefix))
+
+    def step(self, completed: list[LoadPlan | StorePlan] | None = None) -> tuple[StepPlan, StepOutput]:
+        """One step: schedule at t, the forward pass takes 1 s, output at t + 1."""
+        plan = self.sched.schedule(self.t)
+        self.t += 1.0
+        return plan, self.sched.update_from_output(self.t, plan, completed or [])
+
+    def blocks(self, rid: str) -> int:
+        return len(self.sched.gpu.req_blocks[rid][0]) if rid in self.sched.gpu.req_blocks else 0
+
+
+def batch(plan: StepPlan) -> list[tuple[str, int]]:
+    return [(s.request.req_id, s.num_new_tokens) for s in plan.scheduled]
+
+
+def test_chunked_prefill_takes_the_budget_per_step_then_decodes() -> None:
+    """150 prompt tokens with a 64-token budget: 64 + 64 + 22 (the last chunk
+    samples the first token), one decode step samples the second and the
+    request finishes: blocks freed, released at once (no connector)."""
+    w = World(gpu_blocks=101, max_num_batched_tokens=64, offloading=False)
+    a = w.add("a", 150, 2, prefix=1)
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 64)] and plan.admitted == (a,)
+    assert plan.prefill_tokens == 64 and plan.decode_seqs == 0 and plan.context_tokens == 64.0
+    assert plan.scheduled[0].new_block_ids is None      # a new request: the connector syncs all its blocks
+    assert a.status is RequestStatus.RUNNING and a.num_computed == 64 and w.blocks("a") == 4
+    assert a.scheduled_s == 0.0
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 64)] and plan.scheduled[0].new_block_ids == ((5, 6, 7, 8),)
+    assert a.num_computed == 128 and a.generated == 0 and w.blocks("a") == 8
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 22)] and plan.prefill_tokens == 22
+    assert a.num_computed == 150 and a.num_tokens == 151 and a.generated == 1 and a.first_token_s == 3.0
+    assert w.blocks("a") == 10
+    plan, out = w.step()
+    assert batch(plan) == [("a", 1)] and plan.prefill_tokens == 0 and plan.decode_seqs == 1
+    assert out.finished == (a,) and a.status is RequestStatus.FINISHED and a.finish_s == 4.0
+    assert w.released == ["a"] and not w.sched.requests and w.sched.gpu.pool.num_used == 0
+    assert a.computed_tokens == 150 and w.sched.stats.computed_tokens == 150
+    plan, _ = w.step()
+    assert not plan.busy
+
+
+def test_preemption_sends_the_last_running_request_back_to_the_front_to_recompute() -> None:
+    """10 usable blocks, two 64-token prompts (4 blocks each, a 5th for the
+    first decode token). At 80 tokens ``a`` needs a 6th block: ``b``, the last
+    running request, is preempted (its 5 blocks freed, back to the front of
+    the waiting queue) and waits until ``a`` finishes; then it recomputes all
+    81 tokens, 80 of them again."""
+    w = World(gpu_blocks=11, prefix_caching=False, offloading=False)
+    a = w.add("a", 64, 40, prefix=1)
+    b = w.add("b", 64, 40, prefix=2)
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 64), ("b", 64)] and w.sched.gpu.pool.num_used == 8
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 1), ("b", 1)] and w.sched.gpu.pool.num_used == 10
+    for _ in range(15):
+        plan, _ = w.step()
+        assert not plan.preempted
+    assert a.num_computed == 80 and b.num_computed == 80 and b.generated == 17
+    plan, _ = w.step()                      # step 18: a needs its 6th block
+    assert plan.preempted == (b,) and batch(plan) == [("a", 1)] and not plan.admitted
+    assert b.status is RequestStatus.WAITING and b.num_computed == 0 and b.num_tokens == 81
+    assert b.preemptions == 1 and w.sched.stats.preemptions == 1
+    assert list(w.sched.waiting) == [b] and w.sched.running == [a]
+    assert w.blocks("b") == 0 and w.blocks("a") == 6 and w.sched.gpu.pool.num_used == 6
+    plan, _ = w.step()                      # 81 tokens need 6 blocks, 4 are free: FCFS stops
+    assert batch(plan) == [("a", 1)] and not plan.admitted and b.status is RequestStatus.WAITING
+    while a.status is not RequestStatus.FINISHED:
+        plan, _ = w.step()
+    assert a.generated == 40 and w.sched.gpu.pool.num_used == 0
+    plan, _ = w.step()
+    assert batch(plan) == [("b", 81)] and plan.admitted == (b,) and plan.prefill_tokens == 81
+    assert b.recomputed_tokens == 80 and b.computed_tokens == 64 + 81 and b.generated == 18
+
+
+def _with_cpu_chunks(pending: bool = False) -> tuple[World, Request]:
+    """A CPU cache holding the 4 complete chunks of a 72-token prompt (stored,
+    or still pending their store)."""
+    w = World(gpu_blocks=101, cpu_capacity_chunks=10)
+    r = make_request("b", 72, 4, prefix=3)
+    cpu = w.sched.cpu
+    assert cpu is not None
+    plan = cpu.prepare_store(FA16.offload_keys(0, r.block_hashes[: 72 // 16]))
+    assert plan is not None
+    if not pending:
+        cpu.complete_store(plan.keys)
+    return w, r
+
+
+def test_async_load_waits_for_kv_until_its_completion_is_applied() -> None:
+    """The CPU cache holds 64 of 72 prompt tokens: the request is admitted
+    with a 4-chunk load and waits for remote KV (nothing scheduled, skipped
+    every step) until the load's completion is applied; then it is promoted
+    and prefills the last 8 tokens."""
+    w, r = _with_cpu_chunks()
+    b = w.sched.add_request(r)
+    plan, _ = w.step()
+    assert plan.admitted == (b,) and not plan.scheduled
+    assert [(j.direction, j.chunks, j.blocks, j.nbytes) for j in plan.loads] == [("h2d", 4, 4, 4000)]
+    assert b.status is RequestStatus.WAITING_FOR_KV and b.num_computed == 64 and b.cpu_hit_tokens == 64
+    assert w.blocks("b") == 4 and list(w.sched.skipped) == [b] and b.scheduled_s == 0.0
+    assert b.loaded_bytes == 4000 and b.load_jobs == 1 and w.sched.in_flight == {plan.loads[0].job_id}
+    load = plan.loads[0].plan
+    plan, _ = w.step()                      # the load is in flight: nothing to do
+    assert not plan.busy and b.status is RequestStatus.WAITING_FOR_KV
+    plan, out = w.step([load])              # the load completes during this step
+    assert out.polled == 1 and b.load_ready and not w.sched.in_flight
+    assert not plan.scheduled and b.status is RequestStatus.WAITING_FOR_KV
+    plan, _ = w.step()
+    assert batch(plan) == [("b", 8)] and plan.scheduled[0].new_block_ids == ((5,),)
+    assert b.status is RequestStatus.RUNNING and b.num_computed == 72 and b.generated == 1
+    assert b.first_token_s == 4.0 and b.computed_tokens == 8 and b.gpu_hit_tokens == 0
+
+
+def test_lookup_deferral_is_counted_and_retried_next_step() -> None:
+    """The chunks are still pending their store: the lookup asks to be asked
+    again (counted per reason), the request stays at the head of the skipped
+    queue; once the store completes it is admitted with its load."""
+    w, r = _with_cpu_chunks(pending=True)
+    b = w.sched.add_request(r)
+    plan, _ = w.step()
+    assert not plan.busy and not plan.admitted and b.status is RequestStatus.WAITING
+    assert b.deferrals == 1 and w.sched.stats.deferral_reasons == {"pending_or_retry": 1}
+    assert list(w.sched.skipped) == [b] and not w.sched.waiting and w.blocks("b") == 0
+    w.step()
+    assert b.deferrals == 2 and w.sched.stats.deferrals == 2
+    cpu = w.sched.cpu
+    assert cpu is not None
+    cpu.complete_store(FA16.offload_keys(0, r.block_hashes[: 72 // 16]))
+    plan, _ = w.step()
+    assert plan.admitted == (b,) and [j.chunks for j in plan.loads] == [4]
+    assert b.status is RequestStatus.WAITING_FOR_KV and b.deferrals == 2 and b.cpu_hit_tokens == 64
+
+
+def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:
+    """4 usable blocks (64 tokens): a 100-token prompt cannot be allocated
+    even in an empty pool: rejected (an event, released), and the request
+    behind it is admitted in the same step."""
+    w = World(gpu_blocks=5, offloading=False)
+    big = w.add("big", 100, 2, prefix=4)
+    small = w.add("small", 32, 2, prefix=5)
+    plan, _ = w.step()
+    assert big.status is RequestStatus.REJECTED and big.finish_s == 0.0
+    assert batch(plan) == [("small", 32)] and plan.admitted == (small,)
+    assert w.events == [ModelEvent(0.0, "rejected", "too_long", "big", -1, -1,
+                                   "100 prompt tokens: does not fit in the GPU block pool (5 blocks)")]
+    assert w.released == ["big"] and list(w.sched.requests) == ["small"]
+
+
+def test_a_chunked_prefill_that_outgrows_the_pool_alone_is_rejected() -> None:
+    """With a 32-token budget the 100-token prompt gets 2 chunks (4 blocks);
+    its third chunk does not fit even with the pool to itself: rejected, the
+    step counts as a deadlock break (no endless self-preemption)."""
+    w = World(gpu_blocks=5, max_num_batched_tokens=32, offloading=False)
+    big = w.add("big", 100, 2, prefix=4)
+    assert [batch(w.step()[0]) for _ in range(2)] == [[("big", 32)], [("big", 32)]]
+    assert w.sched.gpu.pool.num_used == 4
+    plan, _ = w.step()
+    assert not plan.scheduled and not plan.preempted and plan.broke_deadlock and plan.busy
+    assert big.status is RequestStatus.REJECTED and w.sched.gpu.pool.num_used == 0
+    assert w.events[0].message == ("100 prompt tokens: its next prefill chunk does not fit in the GPU "
+                                   "block pool (5 blocks) even alone")
+    assert w.sched.invariant_problems() == []
+
+
+def test_fast_forward_is_stepping_in_one_go() -> None:
+    """Two decoding requests, 1 s steps, a horizon at 3.5 s: 4 steps start
+    before it. Applying them step by step gives the state plain steps give."""
+    def world() -> tuple[World, list[LiveRequest]]:
+        w = World(gpu_blocks=101, offloading=False, step_cost=StepCostModel(overhead_s=1.0))
+        rs = [w.add("a", 60, 20, prefix=1), w.add("b", 30, 20, prefix=2)]
+        w.step()
+        return w, rs
+
+    ff_world, ff_reqs = world()
+    sched = ff_world.sched
+    assert sched.can_fast_forward()
+    ff = sched.plan_fast_forward(1.0, 4.5)
+    assert ff is not None and ff.durations == (1.0, 1.0, 1.0, 1.0) and ff.context0 == 61 + 31
+    for s in range(ff.k):
+        sched.fast_forward_step(ff, s)
+    sched.finish_fast_forward(ff)
+    step_world, step_reqs = world()
+    for _ in range(4):
+        assert step_world.step()[0].decode_seqs == 2
+    for x, y in zip(ff_reqs, step_reqs, strict=True):
+        assert (x.num_computed, x.num_tokens, x.generated, x.high_water) == \
+               (y.num_computed, y.num_tokens, y.generated, y.high_water)
+        assert x.num_computed == x.num_prompt_tokens + 4
+        assert [b.block_id for b in sched.gpu.req_blocks[x.req_id][0]] == \
+               [b.block_id for b in step_world.sched.gpu.req_blocks[y.req_id][0]]
+    # a request two tokens from its end: no fast-forward
+    w = World(gpu_blocks=101, offloading=False)
+    w.add("c", 30, 3, prefix=3)
+    w.step()
+    assert not w.sched.can_fast_forward()
+
+
+def test_attended_context_counts_what_each_kind_reads() -> None:
+    """The step's context term: full attention reads the whole context, a
+    sliding window its last W tokens, chunked local its current chunk, mamba
+    one state block; weighted by bytes per token."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=16 * 10),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=128, bytes_per_block=16 * 3),
+                        GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=64, bytes_per_block=16 * 2),
+                        GroupSpec(GroupKind.MAMBA, 32, bytes_per_block=32 * 5)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    ctx = AttendedContext(layout)
+    assert ctx.bytes_per_token == 20
+    assert ctx.attended(1000) == 1000 * 10 + 128 * 3 + (1000 - 960) * 2 + 32 * 5
+    assert ctx.attended(64) == 64 * 10 + 64 * 3 + 64 * 2 + 32 * 5
+    assert ctx.attended(65) == 65 * 10 + 65 * 3 + 1 * 2 + 32 * 5
+    assert ctx.attended(5) == 5 * 10 + 5 * 3 + 5 * 2 + 5 * 5
+
+    # the vectorised form used by fast-forward agrees with the scalar one
+    class R:
+        def __init__(self, nc: int) -> None:
+            self.num_computed = nc
+
+    rs = [R(3), R(63), R(127), R(900)]
+    runs = ctx.attended_runs(rs, 70)  # type: ignore[arg-type]
+    assert runs == [sum(ctx.attended(r.num_computed + 1 + s) for r in rs) for s in range(70)]
+    # a full-attention-only layout keeps the plain token count
+    fa_only = AttendedContext(FA16)
+    assert fa_only.attended(777) / fa_only.bytes_per_token == 777
