@@ -417,6 +417,7 @@ def test_streaming_does_not_read_ahead(tmp_path: Path) -> None:
     assert ei.value.key == f"line {n}"
 
 
+@pytest.mark.slow
 def test_streaming_memory_bounded(tmp_path: Path) -> None:
     """Iterating a ~9 MB trace holds far less than the file in memory."""
     lines = [mc(i, 32768, 10, list(range(i * 64, i * 64 + 64))) for i in range(12_000)]
@@ -437,6 +438,7 @@ def test_streaming_memory_bounded(tmp_path: Path) -> None:
 # statistics on the real traces (README figures)
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_stats_conversation(traces_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     s = trace_stats(traces_dir / CONV)
     assert s["requests"] == 12_031
@@ -459,6 +461,7 @@ def test_stats_conversation(traces_dir: Path, capsys: pytest.CaptureFixture[str]
     assert "288,500 / 182,790" in out
 
 
+@pytest.mark.slow
 def test_stats_synthetic(traces_dir: Path) -> None:
     s = trace_stats(traces_dir / SYNTH)
     assert s["requests"] == 3_993
@@ -472,6 +475,7 @@ def test_stats_synthetic(traces_dir: Path) -> None:
     assert f"{h['requests_reusing_ratio']:.3f}" == "0.446"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "count", "duration", "inp", "out"), [
     (AZ_CONV, 19_366, 3_502, (1154.7, 1_020, 4_142, 14_050), (211.1, 129, 601, 1_000)),
     (AZ_CODE, 8_819, 3_436, (2047.8, 1_469, 7_436, 7_437), (27.9, 13, 251.5, 1_899)),
@@ -503,6 +507,7 @@ def test_stats_prefix_groups(tmp_path: Path) -> None:
 # convert
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_convert_round_trip_real_trace(traces_dir: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     src = traces_dir / CONV
@@ -725,6 +730,7 @@ def test_fetch_default_cache_dir_and_names(http_server: tuple[str, dict[str, byt
     assert se.value.code == 2
 
 
+@pytest.mark.slow
 def test_fetch_real_trace_digest(http_server: tuple[str, dict[str, bytes]], traces_dir: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The published conversation trace served from loopback passes the pinned sha256 and blob id."""

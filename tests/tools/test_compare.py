@@ -112,7 +112,7 @@ def warm_cache(monkeypatch: pytest.MonkeyPatch, spec6: Path) -> None:
     from sim.io.scenario import load_run
 
     hashes = list(next(iter(load_run(spec6).requests())).block_hashes)
-    original = engine._Engine.__init__
+    original = engine.Engine.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -120,7 +120,7 @@ def warm_cache(monkeypatch: pytest.MonkeyPatch, spec6: Path) -> None:
         plan = self.cpu.prepare_store([*keys[0][0:4], keys[1][15], *keys[2][118:122]])
         self.cpu.complete_store(plan.keys)
 
-    monkeypatch.setattr(engine._Engine, "__init__", init)
+    monkeypatch.setattr(engine.Engine, "__init__", init)
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -335,6 +335,7 @@ def _files(folder: Path) -> dict[str, bytes]:
             if p.is_file() and p.name not in ("run_info.json", "compare.json", "compare.md")}
 
 
+@pytest.mark.slow
 def test_jobs_1_equals_jobs_2_and_reruns_are_identical(tmp_path: Path) -> None:
     f = write(tmp_path, SMALL)
     one = compare_runs(f, tmp_path / "one", jobs=1)

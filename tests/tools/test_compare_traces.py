@@ -28,6 +28,7 @@ def _check_json(path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("traces_dir")
 def test_mtp_layout_crashes_under_both_logics_and_reproducers_replay(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,6 +63,7 @@ def test_mtp_layout_crashes_under_both_logics_and_reproducers_replay(
         assert req in md
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("traces_dir")
 def test_without_mtp_neither_logic_crashes_on_the_trace(tmp_path: Path) -> None:
     res = compare_runs(COMPARE / "mooncake-deepseek-v4-evict.toml", tmp_path / "c",

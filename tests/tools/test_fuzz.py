@@ -86,6 +86,7 @@ def test_scenarios_are_valid_and_deterministic():
     assert scenario_at(11, 0) != scenario_at(12, 0)
 
 
+@pytest.mark.slow
 def test_search_is_deterministic_and_independent_of_jobs():
     a = fuzz_decisions(5000, 3, jobs=1, verify_every=0)
     b = fuzz_decisions(5000, 3, jobs=2, verify_every=0)
@@ -124,6 +125,7 @@ def test_shrinking_keeps_the_condition_and_reduces_the_case():
     assert shrink(small, cond)[0] == small
 
 
+@pytest.mark.slow
 def test_findings_are_deduplicated_by_condition_and_written_once(tmp_path: Path):
     out = tmp_path / "fuzz"
     rep = fuzz_decisions(3000, 5, out=out, jobs=1)
@@ -169,6 +171,7 @@ def test_simulator_exceptions_are_findings(tmp_path: Path, monkeypatch):
 # -- acceptance: seed 1 rediscovers the unaligned-hit class (spec §6) ---------------------------
 
 
+@pytest.mark.slow
 def test_seed_1_rediscovers_the_unaligned_hit_class(tmp_path: Path, capsys):
     out = tmp_path / "fuzz"
     code = main(["fuzz", "--budget", "8192", "--seed", "1", "--out", str(out), "--jobs", "2", "-q"])

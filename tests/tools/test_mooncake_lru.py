@@ -53,6 +53,7 @@ def engine_lru_hit_ratio(trace: Path, capacity: int) -> float:
     return res.summary.cpu_hit_tokens / 512 / blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", CAPACITIES)
 def test_block_weighted_lru_hit_ratio_matches_the_trace_readme(traces_dir: Path, capacity: int) -> None:
     ref = reference_row(traces_dir / "README.md")

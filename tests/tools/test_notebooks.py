@@ -68,6 +68,7 @@ def test_notebooks_use_the_public_api_only(path: Path) -> None:
     assert not re.search(r"from sim[\w.]* import[^\n]*\b_\w", code), "a private sim name"
 
 
+@pytest.mark.slow
 def test_01_capacity_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb, k = _execute("01_capacity_planning", tmp_path, monkeypatch)
     assert k["small"] and k["failed"] == 0 and k["points"] == 12
@@ -82,6 +83,7 @@ def test_01_capacity_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert (tmp_path / "01_capacity_planning" / "hit_rate_vs_cpu.png").is_file()
 
 
+@pytest.mark.slow
 def test_02_one_run_in_depth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb, k = _execute("02_one_run_in_depth", tmp_path, monkeypatch)
     assert k["small"] and k["status"] == "ok" and k["requests"] > 20
@@ -92,6 +94,7 @@ def test_02_one_run_in_depth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert _images(nb) >= 5  # hits, transfers, queueing, occupancy, link utilisation
 
 
+@pytest.mark.slow
 def test_03_old_vs_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     have_traces = (TRACES / "conversation_trace.jsonl").is_file()
     if not have_traces and os.environ.get("CI"):

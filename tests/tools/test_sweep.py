@@ -227,6 +227,7 @@ grid = { workload = [ { kind = "mooncake", path = "good.jsonl" }, \
 # -- the 12-point what-if -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_twelve_points_tidy_table(local12: Path):
     res = sim.load_sweep(local12)
     t = res.table
@@ -254,6 +255,7 @@ def test_twelve_points_tidy_table(local12: Path):
     assert res.run(t["run_id"][3]).path == local12 / t["run_dir"][3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", [5, 8])
 def test_points_equal_kvsim_run_one_by_one(local12: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            point: int):
@@ -280,6 +282,7 @@ def _wait_for(folder: Path, n: int, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_only_the_rest(local12: Path, tmp_path: Path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "sim.cli", "sweep", str(CPU12), "--out", str(out), "-q", *SMALL]
@@ -350,6 +353,7 @@ def ray_head() -> Iterator[str]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_ray_backend_equals_local(local12: Path, ray_head: str, tmp_path: Path):
     out = tmp_path / "ray"
     assert main(["sweep", str(CPU12), "--backend", "ray", "--address", ray_head, "--out", str(out), "-q",
