@@ -67,27 +67,34 @@ def commands(tree: Path, out: Path) -> dict[str, list[str]]:
     }
 
 
-#: every command writes here first (fuzz files quote their command line, so the
-#: path must be the same for the baseline and the working tree), then moves
-SCRATCH = Path(tempfile.gettempdir()) / "kvsim-golden-scratch"
+#: text in output files that names the folder a command wrote to (fuzz files quote
+#: their command line): replaced by this placeholder before comparing
+PLACEHOLDER = "<OUT>"
 
 
 def run_all(tree: Path, out: Path, only: list[str]) -> None:
-    """Run the commands with the code in ``tree``; outputs under ``out``."""
+    """Run the commands with the code in ``tree``; outputs under ``out``.
+
+    Each command writes into a fresh scratch folder (so that concurrent
+    comparisons never share one), which is then moved to ``out/NAME``; the
+    scratch path is kept in ``out/NAME.scratch`` for :func:`_normalise`.
+    """
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
-    for name, argv in commands(tree, SCRATCH).items():
+    for name in commands(tree, out):
         if only and name not in only:
             continue
-        shutil.rmtree(SCRATCH, ignore_errors=True)
-        SCRATCH.mkdir(parents=True)
+        scratch = Path(tempfile.mkdtemp(prefix="kvsim-golden-scratch-"))
+        argv = commands(tree, scratch)[name]
         cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main())", *argv]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
-        (out / f"{name}.stdout").write_text(proc.stdout)
+        (out / f"{name}.stdout").write_text(proc.stdout.replace(str(scratch), PLACEHOLDER))
         (out / f"{name}.rc").write_text(f"{proc.returncode}\n")
-        if (SCRATCH / name).exists():
-            shutil.rmtree(out / name, ignore_errors=True)
-            shutil.move(SCRATCH / name, out / name)
+        shutil.rmtree(out / name, ignore_errors=True)
+        if (scratch / name).exists():
+            shutil.move(scratch / name, out / name)
+        (out / f"{name}.scratch").write_text(str(scratch))
+        shutil.rmtree(scratch, ignore_errors=True)
         print(f"  {name}: exit {proc.returncode}", flush=True)
 
 
@@ -98,8 +105,12 @@ def _comparable(path: Path) -> bool:
     return name.endswith((".parquet", ".json", ".toml", ".rc")) or name == "regress.stdout"
 
 
-def _normalise(path: Path) -> bytes:
+def _normalise(path: Path, scratch: str) -> bytes:
+    """The bytes to compare: the scratch folder's path replaced by a placeholder in
+    text files, and ``compare.json`` without its ``timing`` section."""
     data = path.read_bytes()
+    if path.suffix in (".toml", ".json", ".md", ".txt") and scratch:
+        data = data.replace(scratch.encode(), PLACEHOLDER.encode())
     if path.name == "compare.json":
         doc = json.loads(data)
         doc.pop("timing", None)
@@ -107,7 +118,7 @@ def _normalise(path: Path) -> bytes:
     return data
 
 
-def compare_trees(base: Path, new: Path) -> list[str]:
+def compare_trees(base: Path, new: Path, base_scratch: str = "", new_scratch: str = "") -> list[str]:
     """Relative paths that differ, are missing or are extra."""
     problems: list[str] = []
     base_files = {p.relative_to(base) for p in base.rglob("*") if p.is_file() and _comparable(p)}
@@ -118,10 +129,7 @@ def compare_trees(base: Path, new: Path) -> list[str]:
         problems.append(f"extra:   {rel}")
     for rel in sorted(base_files & new_files):
         a, b = base / rel, new / rel
-        if rel.name == "compare.json":
-            same = _normalise(a) == _normalise(b)
-        else:
-            same = filecmp.cmp(a, b, shallow=False)
+        same = filecmp.cmp(a, b, shallow=False) or _normalise(a, base_scratch) == _normalise(b, new_scratch)
         if not same:
             problems.append(f"differs: {rel}")
     return problems
@@ -155,8 +163,11 @@ def main() -> int:
     for name in commands(ROOT, new_out):
         if args.only and name not in args.only:
             continue
-        for rel in compare_trees(base_out / name, new_out / name) if (base_out / name).exists() else []:
-            problems.append(f"{name}/{rel}")
+        if (base_out / name).exists():
+            scratches = [(d / f"{name}.scratch").read_text() if (d / f"{name}.scratch").exists() else ""
+                         for d in (base_out, new_out)]
+            for rel in compare_trees(base_out / name, new_out / name, *scratches):
+                problems.append(f"{name}/{rel}")
         for suffix in (".rc",) + ((".stdout",) if name == "regress" else ()):
             a, b = base_out / f"{name}{suffix}", new_out / f"{name}{suffix}"
             if a.read_bytes() != b.read_bytes():
