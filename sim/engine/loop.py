@@ -94,7 +94,7 @@ from sim.model.scheduler import (
 )
 
 __all__ = ["CopyPathConfig", "Engine", "EngineConfig", "InvariantViolation", "RunResult",
-           "reproducer_case", "simulate"]
+           "simulate"]
 
 @dataclass(frozen=True)
 class CopyPathConfig:
@@ -160,8 +160,8 @@ class RunResult:
 
     status: Literal["ok", "stopped_on_crash", "time_limit"]
     summary: RunSummary
-    #: check/1 snapshots of the first modelled crashes and hazards
-    reproducers: list[dict[str, Any]] = field(default_factory=list)
+    #: what the first modelled crashes and hazards met (written as check/1 files by sim.io.check)
+    reproducers: list[ReproducerSnapshot] = field(default_factory=list)
 
 
 class Engine:
@@ -474,30 +474,7 @@ class Engine:
                 problems.append(f"{len(self.xfers)} transfers never completed")
             if problems:
                 raise InvariantViolation("; ".join(problems))
-        return RunResult(status, s, [reproducer_case(snap) for snap in self.sched.reproducers])
-
-
-def reproducer_case(snap: ReproducerSnapshot) -> dict[str, Any]:
-    """A snapshot as the ``check/1`` case dict of ``reproducers/`` (with where
-    and when it was taken)."""
-    states: dict[str, dict[str, str]] = {
-        str(g): {(str(c.first) if c.first == c.last else f"{c.first}..{c.last}"): c.state for c in ranges}
-        for g, ranges in snap.chunk_states}
-    case: dict[str, Any] = {
-        "schema": "check/1",
-        "name": f"{snap.req_id}-{snap.detail}",
-        "window_logic": "both",
-        "blocks_per_chunk": snap.blocks_per_chunk,
-        "tokens_per_hash": snap.tokens_per_hash,
-        "num_tokens": snap.num_tokens,
-        "gpu_computed_tokens": snap.local_hit_tokens,
-        "prefix_caching": snap.prefix_caching,
-        "cpu_capacity_chunks": snap.cpu_capacity_chunks,
-        "groups": [spec.to_dict() for spec in snap.groups],
-        "chunk_states": states,
-    }
-    return {"case": case, "req_id": snap.req_id, "t_s": snap.t_s, "kind": snap.kind,
-            "detail": snap.detail, "logic": snap.logic, "stated_chunks": snap.stated_ranges}
+        return RunResult(status, s, list(self.sched.reproducers))
 
 
 def simulate(config: EngineConfig, requests: Iterable[Request], recorder: Recorder, *,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -44,15 +44,19 @@ from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingSchedule
 from sim.model.cpu_cache import CpuChunkCache
 from sim.model.gpu_cache import Block, GpuKVCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
+from sim.model.scheduler import ReproducerSnapshot
 from sim.model.windows import profile
 
 __all__ = [
     "CheckCase",
     "CheckScenario",
+    "case_toml",
     "compare",
     "load_check_file",
     "parse_check",
     "run_check",
+    "toml_value",
+    "write_reproducers",
 ]
 
 ChunkStateName = Literal["present", "pending", "loading", "retry"]
@@ -132,6 +136,15 @@ class CheckCase:
     prefix_caching: bool = True
     states: tuple[tuple[int, int, str], ...] = ()
     cpu_capacity_chunks: int | None = None
+
+    @classmethod
+    def from_snapshot(cls, snap: ReproducerSnapshot) -> CheckCase:
+        """The case a request met when it crashed or hit a hazard in a run."""
+        states = tuple((g, j, r.state) for g, ranges in snap.chunk_states for r in ranges
+                       for j in range(r.first, r.last + 1))
+        return cls(snap.groups, snap.tokens_per_hash, snap.blocks_per_chunk, snap.num_tokens,
+                   snap.local_hit_tokens, snap.prefix_caching, tuple(sorted(states)),
+                   snap.cpu_capacity_chunks)
 
     def layout(self) -> Layout:
         return Layout.of(list(self.groups), self.tokens_per_hash, self.blocks_per_chunk)
@@ -486,3 +499,94 @@ def summarize(outcome: dict[str, Any]) -> str:
 def iter_check_files(root: Path) -> Iterable[Path]:
     """Every check file under ``root`` (sorted)."""
     return sorted(p for p in root.rglob("*.toml") if p.is_file())
+
+
+# -- writing check/1 files ------------------------------------------------------------------
+
+
+def toml_value(v: Any) -> str:
+    """An inline TOML value (the subset check/1 files use)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def case_toml(case: CheckCase, *, name: str, window_logic: str, expect: Mapping[str, Mapping[str, Any]],
+              head: Sequence[str] = (), notes: Sequence[str] = ()) -> str:
+    """A check/1 file: ``head`` comment lines, the schema line, ``notes`` comment
+    lines, the case's keys (defaults left out), its chunk states and the
+    ``[expect.<logic>]`` tables. The one writer of check/1 text (the fuzzer's
+    library entries and the reproducers of a run)."""
+    lines = [f"# {h}" for h in head]
+    lines.append('schema = "check/1"')
+    lines += [f"# {n}" for n in notes]
+    lines += [f"name = {toml_value(name)}",
+              f"window_logic = {toml_value(window_logic)}",
+              f"blocks_per_chunk = {case.blocks_per_chunk}",
+              f"tokens_per_hash = {case.tokens_per_hash}",
+              f"num_tokens = {case.num_tokens}"]
+    if case.gpu_computed_tokens:
+        lines.append(f"gpu_computed_tokens = {case.gpu_computed_tokens}")
+    if not case.prefix_caching:
+        lines.append("prefix_caching = false")
+    if case.cpu_capacity_chunks is not None:
+        lines.append(f"cpu_capacity_chunks = {case.cpu_capacity_chunks}")
+    lines.append("groups = [")
+    lines += [f"  {toml_value(g.to_dict())}," for g in case.groups]
+    lines.append("]")
+    for g, table in case.state_ranges().items():
+        lines += ["", f"[chunk_states.{g}]"]
+        lines += [f'"{rng}" = "{st}"' for rng, st in table.items()]
+    for logic, exp in expect.items():
+        lines += ["", f"[expect.{logic}]"]
+        lines += [f"{k} = {toml_value(v)}" for k, v in exp.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_reproducers(folder: Path, snapshots: Sequence[ReproducerSnapshot]) -> dict[str, Any]:
+    """Write each modelled crash or hazard of a run as a check/1 file.
+
+    The expectations are what the model gives for the case in isolation
+    (:func:`run_check` under both logics); ``reproduced`` says whether the
+    run's own logic gives the outcome the run recorded. (A hazard seen with
+    assertions stripped is a crash in a check, which keeps assertions.)
+
+    Returns:
+        ``files`` (names written, in order), ``reproduced`` (how many) and ``count``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    written, reproduced = [], 0
+    for n, snap in enumerate(snapshots):
+        case = CheckCase.from_snapshot(snap)
+        expect: dict[str, dict[str, Any]] = {}
+        for logic in ("old", "new"):
+            out = run_check(case, logic)
+            e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
+                                 "hazards": sorted({h["kind"] for h in out["hazards"]})}
+            if out["external_tokens"] is None:
+                e["deferred"] = True
+            else:
+                e["external_tokens"] = out["external_tokens"]
+            expect[logic] = e
+        mine = expect[snap.logic]
+        ok = (mine["crash"] == snap.detail) if snap.kind == "crash" else (snap.detail in mine["hazards"])
+        reproduced += ok
+        name = f"{n:03d}-{snap.req_id}-{snap.detail}.toml"
+        head = (f"reproducer: {snap.kind} {snap.detail} of request {snap.req_id} at "
+                f"t = {snap.t_s:.6f} s ({snap.logic.upper()} logic) in this run",
+                f"the states of the request's chunks it met, as a check/1 case: kvsim check {name}",
+                f"reproduced in isolation: {'yes' if ok else 'no'}")
+        text = case_toml(case, name=f"{snap.req_id}-{snap.detail}", window_logic="both", expect=expect,
+                         head=head)
+        parse_check(tomllib.loads(text), name)   # the file is a valid check/1 case
+        (folder / name).write_text(text)
+        written.append(name)
+    return {"files": written, "reproduced": reproduced, "count": len(snapshots)}

@@ -74,7 +74,7 @@ import tomli_w
 from sim.engine.loop import InvariantViolation, simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
-from sim.io.check import CheckCase, Logic, parse_check, run_check, summarize
+from sim.io.check import CheckCase, Logic, case_toml, parse_check, run_check, summarize
 from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
@@ -976,20 +976,6 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
 # ----------------------------------------------------------------------------------------------
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"no TOML for {v!r}")
-
-
 def expectation(outcome: dict[str, Any]) -> dict[str, Any]:
     """An ``[expect.<logic>]`` table that pins an outcome."""
     ext = outcome["external_tokens"]
@@ -1006,38 +992,20 @@ def expectation(outcome: dict[str, Any]) -> dict[str, Any]:
     return exp
 
 
-def case_toml(cr: ConditionResult, seed: int, logics: Sequence[Logic], origin: str) -> str:
-    """The library entry of a condition (TOML text)."""
+def library_entry(cr: ConditionResult, seed: int, logics: Sequence[Logic], origin: str) -> str:
+    """The library entry of a condition (check/1 TOML text)."""
     fs = cr.shrunk
-    data = fs.check_data(logics)
-    lines = ['schema = "check/1"',
-             f"# fuzz condition: {cr.condition.words()}",
-             f"# fuzz key: {cr.condition.key_line()}",
-             f"# found by {origin} at scenario index {cr.first_index} (seed {seed}; "
+    notes = [f"fuzz condition: {cr.condition.words()}",
+             f"fuzz key: {cr.condition.key_line()}",
+             f"found by {origin} at scenario index {cr.first_index} (seed {seed}; "
              f"{cr.count} findings of this condition); shrunk from {cr.found.num_tokens} tokens, "
              f"{len(cr.found.groups)} groups, {len(cr.found.states)} stated chunks",
-             "# outcomes observed with kvsim's model (sim.io.check.run_check), not derived by hand"]
-    for logic in dict.fromkeys(logics):
-        lines.append(f"# {logic.upper()}: {summarize(cr.outcomes[logic])}")
-    lines += [f'name = "fuzz-{cr.condition.slug()}"',
-              f'window_logic = "{data["window_logic"]}"',
-              f"blocks_per_chunk = {fs.blocks_per_chunk}",
-              f"tokens_per_hash = {fs.tokens_per_hash}",
-              f"num_tokens = {fs.num_tokens}"]
-    if fs.gpu_computed_tokens:
-        lines.append(f"gpu_computed_tokens = {fs.gpu_computed_tokens}")
-    if not fs.prefix_caching:
-        lines.append("prefix_caching = false")
-    lines.append("groups = [")
-    lines += [f"  {_toml_value(g.to_dict())}," for g in fs.groups]
-    lines.append("]")
-    for g, table in data["chunk_states"].items():
-        lines += ["", f"[chunk_states.{g}]"]
-        lines += [f'"{rng}" = "{st}"' for rng, st in table.items()]
-    for logic in dict.fromkeys(logics):
-        lines += ["", f"[expect.{logic}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in expectation(cr.outcomes[logic]).items()]
-    return "\n".join(lines) + "\n"
+             "outcomes observed with kvsim's model (sim.io.check.run_check), not derived by hand"]
+    notes += [f"{logic.upper()}: {summarize(cr.outcomes[logic])}" for logic in dict.fromkeys(logics)]
+    window_logic = "both" if len(set(logics)) > 1 else logics[0]
+    expect: dict[str, dict[str, Any]] = {lg: expectation(cr.outcomes[lg]) for lg in dict.fromkeys(logics)}
+    return case_toml(fs, name=f"fuzz-{cr.condition.slug()}", window_logic=window_logic, expect=expect,
+                     notes=notes)
 
 
 def _write_text(path: Path, text: str) -> str:
@@ -1054,7 +1022,7 @@ def _write_text(path: Path, text: str) -> str:
 def _write_case(out: Path, cr: ConditionResult, seed: int, budget: int, logics: Sequence[Logic],
                 command: str) -> tuple[Path, str]:
     origin = command or f"kvsim fuzz --budget {budget} --seed {seed}"
-    text = case_toml(cr, seed, logics, origin)
+    text = library_entry(cr, seed, logics, origin)
     # the entry must be a valid check/1 file that reproduces its outcomes
     case = parse_check(tomllib.loads(text), f"{cr.condition.slug()}.toml").case()
     for logic in dict.fromkeys(logics):

@@ -23,17 +23,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
-from sim.io.check import parse_check, run_check
+from sim.io.check import write_reproducers
 from sim.io.results import ParquetSink, RunWriter, clean_floats
 from sim.io.scenario import RunSpec
 from sim.io.workload import Request
 
-__all__ = ["RunOutcome", "execute", "write_reproducers"]
+__all__ = ["RunOutcome", "execute"]
 
 
 # -- one run, start to finish ------------------------------------------------------------
@@ -140,45 +138,6 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
     target = writer.finish("ok", summary, scenario_toml, info)
     return RunOutcome("ok", target, {**clean_floats(summary), "status": "ok"})
-
-
-def write_reproducers(folder: Path, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Write each modelled crash or hazard as a ``check/1`` file.
-
-    The expectations are what the model gives for the case in isolation
-    (``sim.io.check.run_check`` under both logics); ``reproduced`` says whether
-    the run's own logic gives the outcome the run recorded. (A hazard seen
-    with assertions stripped is a crash in a check, which keeps assertions.)
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    written, reproduced = [], 0
-    for n, item in enumerate(items):
-        case = dict(item["case"])
-        check_case = parse_check(case, f"reproducer {n}").case()
-        expect: dict[str, Any] = {}
-        for logic in ("old", "new"):
-            out = run_check(check_case, logic)
-            e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
-                                 "hazards": sorted({h[0] if isinstance(h, list) else h["kind"]
-                                                    for h in out["hazards"]})}
-            if out["external_tokens"] is None:
-                e["deferred"] = True
-            else:
-                e["external_tokens"] = out["external_tokens"]
-            expect[logic] = e
-        mine = expect[item["logic"]]
-        ok = (mine["crash"] == item["detail"]) if item["kind"] == "crash" else (
-            item["detail"] in mine["hazards"])
-        reproduced += ok
-        case["expect"] = expect
-        name = f"{n:03d}-{item['req_id']}-{item['detail']}.toml"
-        head = (f"# reproducer: {item['kind']} {item['detail']} of request {item['req_id']} at "
-                f"t = {item['t_s']:.6f} s ({item['logic'].upper()} logic) in this run\n"
-                f"# the states of the request's chunks it met, as a check/1 case: kvsim check {name}\n"
-                f"# reproduced in isolation: {'yes' if ok else 'no'}\n")
-        (folder / name).write_text(head + tomli_w.dumps(case))
-        written.append(name)
-    return {"files": written, "reproduced": reproduced, "count": len(items)}
 
 
 class _Guarded:

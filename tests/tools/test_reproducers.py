@@ -11,8 +11,8 @@ import pytest
 from sim.cli import main
 from sim.engine.loop import Engine, EngineConfig, RunResult
 from sim.engine.metrics import MemorySink, Recorder
+from sim.io.check import CheckCase, write_reproducers
 from sim.model.costs import StepCostModel
-from sim.tools.run import write_reproducers
 from tests.engine.worlds import SPEC6, crash_world, req
 
 
@@ -63,10 +63,10 @@ def test_crash_reproducer_round_trip(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_hazard_reproducer_states_the_chunk_as_loading(tmp_path: Path) -> None:
     res = _loading_world("old")
     assert res.summary.hazards >= 1 and res.reproducers
-    item = res.reproducers[0]
-    assert item["kind"] == "hazard" and item["detail"] == "double_load"
+    snap = res.reproducers[0]
+    assert snap.kind == "hazard" and snap.detail == "double_load"
     # the request's own load does not count: swa[14] was loading before, the rest present
-    assert item["case"]["chunk_states"]["1"] == {"14": "loading", "15": "present"}
+    assert CheckCase.from_snapshot(snap).state_ranges()["1"] == {"14": "loading", "15": "present"}
     write_reproducers(tmp_path, res.reproducers)
     path = next(tmp_path.glob("*.toml"))
     assert "reproduced in isolation: yes" in path.read_text()
