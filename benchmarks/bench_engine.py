@@ -1,6 +1,10 @@
 """Engine replay speed: simulated requests per wall second and peak RSS.
 
-Two cases, each measured in its own child process (so peak RSS is its own):
+Every case runs twice, side by side, each run in its own child process (so
+peak RSS is its own): with the fast GPU block accounting (the default,
+``scheduler.block_accounting = "fast"``) and with the per-block reference
+(``"reference"``); their decisions are identical (tests/model/test_gpu_fast.py,
+tests/tools/test_block_accounting.py), so only speed and memory differ. Cases:
 
 * ``default``: ``scenarios/default.toml`` as shipped (synthetic multi-turn,
   hybrid layout, H200, costs and transfers on);
@@ -10,12 +14,21 @@ Two cases, each measured in its own child process (so peak RSS is its own):
   CPU cache of 100,000 chunks with LRU, the H200 profile (step time of the
   ``qwen3-30b-a3b`` cost profile, a 3B-active MoE: a dense 8B model cannot
   keep up with the trace's 41k prompt tokens/s on one GPU, and the queue
-  would then grow without bound), PCIe Gen5 links, offloading and timing on.
+  would then grow without bound), PCIe Gen5 links, offloading and timing on;
+* ``mooncake-full-attn``: the same trace and settings with the layout's
+  full-attention group alone (the engine loop, not the window groups, is the
+  cost there);
+* ``mooncake-deepseek-v4``: ``scenarios/mooncake-deepseek-v4.toml`` (DeepSeek-V4-
+  style layout, TP 2, a 256 GiB CPU cache).
+
+After the table, a profile of the fast accounting on the spec §6 case
+(``--profile-limit`` requests, top entries by own time).
 
 The target of the engine issue is >= 6,000 simulated requests per second and
 <= 300 MB peak RSS on a 2-core machine; the script prints the ratio to it.
 
-    python benchmarks/bench_engine.py [--limit N] [--profile] [--case NAME ...]
+    python benchmarks/bench_engine.py [--limit N] [--case NAME ...] [--accounting fast|reference]
+                                      [--profile-limit N]
 """
 
 from __future__ import annotations
@@ -61,6 +74,18 @@ CASES = {
         ],
     },
 }
+CASES["mooncake-full-attn"] = {
+    "scenario": CASES["mooncake-spec6"]["scenario"],
+    "set": [s for s in CASES["mooncake-spec6"]["set"] if not s.startswith(("name=", "model.name="))]
+    + ['name="mooncake-full-attn"',
+       'model={label="spec6-full", groups=[{kind="full", tokens_per_block=256, layers=1, kv_heads=1, '
+       'head_size=1, dtype="fp32"}], cost_profile="qwen3-30b-a3b"}'],
+}
+CASES["mooncake-deepseek-v4"] = {
+    "scenario": str(ROOT / "scenarios" / "mooncake-deepseek-v4.toml"),
+    "set": [f'workload.path="{TRACE}"'],
+}
+ACCOUNTINGS = ("fast", "reference")
 
 
 class _Discard:
@@ -68,10 +93,10 @@ class _Discard:
         pass
 
 
-def child(case: str, limit: int | None, profile: bool) -> None:
+def child(case: str, limit: int | None, profile: bool, accounting: str) -> None:
     """Run one case in this process and print one JSON line of figures."""
     spec = CASES[case]
-    sets = list(spec["set"])
+    sets = [*spec["set"], f'scheduler.block_accounting="{accounting}"']
     if limit:
         sets.append(f"workload.limit={limit}")
     run = load_run(spec["scenario"], sets)
@@ -81,14 +106,15 @@ def child(case: str, limit: int | None, profile: bool) -> None:
         prof = cProfile.Profile()
         res = prof.runcall(simulate, cfg, run.requests(), Recorder(_Discard()))
         wall = time.perf_counter() - t0
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
     else:
         res = simulate(cfg, run.requests(), Recorder(_Discard()))
         wall = time.perf_counter() - t0
     s = res.summary
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({
-        "case": case, "status": res.status, "requests": s.requests_finished, "wall_s": wall,
+        "case": case, "accounting": accounting, "status": res.status, "requests": s.requests_finished,
+        "wall_s": wall,
         "req_per_s": s.requests_finished / wall, "peak_rss_mb": rss_mb, "steps": s.steps,
         "step_rows": s.step_rows, "sim_time_s": s.sim_time_s,
         "cpu_hit_rate": s.figures()["cpu_hit_rate"], "gpu_hit_rate": s.figures()["gpu_hit_rate"],
@@ -99,38 +125,56 @@ def child(case: str, limit: int | None, profile: bool) -> None:
     }))
 
 
+def _run_child(case: str, accounting: str, limit: int | None, profile: bool = False) -> tuple[dict, str]:
+    cmd = [sys.executable, __file__, "--child", case, "--accounting", accounting]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    if profile:
+        cmd.append("--profile")
+    out = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE).stdout.strip().splitlines()
+    return json.loads(out[-1]), "\n".join(out[:-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, help="replay only the first N requests of each case")
-    ap.add_argument("--profile", action="store_true", help="print cProfile's top entries (stderr)")
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="case(s) to run")
+    ap.add_argument("--accounting", action="append", choices=ACCOUNTINGS,
+                    help="block accounting(s) to run (default: both, side by side)")
+    ap.add_argument("--profile-limit", type=int, default=2000,
+                    help="requests of the profiled fast spec §6 run (0: no profile)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.limit, args.profile)
+        child(args.child, args.limit, args.profile, (args.accounting or ["fast"])[0])
         return
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, pid {os.getpid()}")
     print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
     rows = []
     for case in args.case or list(CASES):
-        cmd = [sys.executable, __file__, "--child", case]
-        if args.limit:
-            cmd += ["--limit", str(args.limit)]
-        if args.profile:
-            cmd.append("--profile")
-        out = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE)
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append(row)
+        for accounting in args.accounting or ACCOUNTINGS:
+            row, _ = _run_child(case, accounting, args.limit)
+            rows.append(row)
         print(f"\n[{case}] config: layout {row['layout']}, gpu_blocks {row['gpu_blocks']}, "
               f"cpu_chunks {row['cpu_chunks']} ({row['policy']}), step {row['step_cost']}, "
               f"h2d {row['h2d']}, d2h {row['d2h']}")
-    print("\n| case | requests | wall s | sim s | steps (rows) | req/s | x target | peak RSS MB | x budget |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| case | accounting | requests | wall s | sim s | steps (rows) | req/s | x target | "
+          "x reference | peak RSS MB | x budget |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ref = {r["case"]: r for r in rows if r["accounting"] == "reference"}
     for r in rows:
-        print(f"| {r['case']} | {r['requests']:,} | {r['wall_s']:.1f} | {r['sim_time_s']:.0f} | "
-              f"{r['steps']:,} ({r['step_rows']:,}) | {r['req_per_s']:,.0f} | "
-              f"{r['req_per_s'] / TARGET_RPS:.3f} | {r['peak_rss_mb']:.0f} | "
+        base = ref.get(r["case"])
+        speedup = f"{r['req_per_s'] / base['req_per_s']:.2f}" if base else "-"
+        print(f"| {r['case']} | {r['accounting']} | {r['requests']:,} | {r['wall_s']:.1f} | "
+              f"{r['sim_time_s']:.0f} | {r['steps']:,} ({r['step_rows']:,}) | {r['req_per_s']:,.0f} | "
+              f"{r['req_per_s'] / TARGET_RPS:.3f} | {speedup} | {r['peak_rss_mb']:.0f} | "
               f"{r['peak_rss_mb'] / TARGET_RSS_MB:.2f} |")
+    if args.profile_limit:
+        _, prof = _run_child("mooncake-spec6", "fast", args.profile_limit, profile=True)
+        print(f"\nprofile: fast accounting, mooncake-spec6, first {args.profile_limit:,} requests "
+              "(cProfile, top entries by own time)")
+        print("\n".join(line for line in prof.splitlines() if line.strip())[:4000])
 
 
 if __name__ == "__main__":

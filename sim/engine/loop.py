@@ -140,6 +140,8 @@ class EngineConfig:
     #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
     assertions: bool = True
     copy_path: CopyPathConfig | None = None
+    #: ``fast`` or ``reference`` GPU block accounting (see :class:`SchedulerConfig`)
+    block_accounting: Literal["fast", "reference"] = "fast"
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:

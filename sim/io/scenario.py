@@ -357,6 +357,8 @@ class SchedulerSection(Strict):
     offload_prompt_only: bool = Field(default=True, description="store prompt chunks only")
     offloading: bool = Field(default=True, description="false: no connector, no CPU cache")
     fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
+    block_accounting: Literal["fast", "reference"] = Field(
+        default="fast", description="GPU block bookkeeping: fast, or the per-block reference (same result)")
 
 
 class _Transforms(Strict):
@@ -945,7 +947,8 @@ class RunSpec:
             eviction=_eviction(sc.cpu_cache.policy), window_logic=sc.window_logic,
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
-            max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy)
+            max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
+            block_accounting=s.block_accounting)
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""

@@ -89,7 +89,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -97,6 +97,7 @@ from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingSchedule
 from sim.model.costs import ZERO_STEP, StepCostModel
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.gpu_cache import Allocation, Block, GpuKVCache
+from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.windows import profile
@@ -153,6 +154,13 @@ class SchedulerConfig:
     fast_forward: bool = True
     #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
     assertions: bool = True
+    #: the GPU block accounting: ``fast`` (:mod:`sim.model.gpu_fast`) or the per-block
+    #: ``reference`` (:mod:`sim.model.gpu_cache`); the decisions are identical (tested)
+    block_accounting: Literal["fast", "reference"] = "fast"
+
+
+#: block accounting -> GPU KV cache class (same interface, same decisions)
+GPU_CACHES: dict[str, type[GpuKVCache] | type[GpuFastCache]] = {"fast": GpuFastCache, "reference": GpuKVCache}
 
 
 class ModelEvent(NamedTuple):
@@ -472,7 +480,10 @@ class Scheduler:
         layout = cfg.layout
         self.layout = layout
         self.tph = layout.tokens_per_hash
-        self.gpu = GpuKVCache(layout, cfg.gpu_blocks, enable_caching=cfg.prefix_caching)
+        #: one of two implementations of one interface (fast: ids, reference: Block objects),
+        #: differentially tested in tests/model/test_gpu_fast.py; typed loosely for that reason
+        self.gpu: Any = GPU_CACHES[cfg.block_accounting](layout, cfg.gpu_blocks,
+                                                         enable_caching=cfg.prefix_caching)
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
@@ -595,7 +606,8 @@ class Scheduler:
         rejected)."""
         gpu, running = self.gpu, self.running
         while True:
-            ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
+            ids: tuple[tuple[int, ...], ...] | None = gpu.allocate_more(r.req_id, r.num_computed,
+                                                                        r.num_computed + num_new)
             if ids is not None:
                 return ids
             victim = running.pop()
@@ -733,7 +745,8 @@ class Scheduler:
             return None
         r.no_external = True
         num_new = min(r.num_tokens - local_tokens, budget)
-        alloc = self.gpu.allocate_new(r.req_id, local, local_tokens, 0, local_tokens + num_new)
+        alloc: Allocation | None = self.gpu.allocate_new(r.req_id, local, local_tokens, 0,
+                                                         local_tokens + num_new)
         if alloc is None:
             return None
         conn.update_state_after_alloc(r, alloc.blocks, 0, alloc.null_prefix)

@@ -239,19 +239,21 @@ def test_new_logic_does_not_crash_in_the_same_world() -> None:
 # -- invariants -----------------------------------------------------------------------
 
 
-def test_leak_fails_the_run_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sim.model.gpu_cache import GpuKVCache
+@pytest.mark.parametrize("accounting", ["reference", "fast"])
+def test_leak_fails_the_run_loudly(monkeypatch: pytest.MonkeyPatch, accounting: str) -> None:
+    from sim.model.scheduler import GPU_CACHES
 
-    real_free = GpuKVCache.free
+    cls = GPU_CACHES[accounting]
+    real_free = cls.free
 
-    def leaky_free(self: GpuKVCache, req_id: str) -> None:
+    def leaky_free(self: object, req_id: str) -> None:
         if req_id == "b":
-            self.req_blocks.pop(req_id)   # forget b's blocks without freeing them
-            return
-        real_free(self, req_id)
+            return   # forget to free b's blocks
+        real_free(self, req_id)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(GpuKVCache, "free", leaky_free)
-    cfg = EngineConfig(layout=FA16, gpu_blocks=100, cpu_capacity_chunks=10)
+    monkeypatch.setattr(cls, "free", leaky_free)
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, cpu_capacity_chunks=10,
+                       block_accounting=accounting)  # type: ignore[arg-type]
     with pytest.raises(InvariantViolation, match="GPU blocks still referenced"):
         run(cfg, [req("a", 0, 32, 3, prefix=1), req("b", 1, 32, 3, prefix=2)])
 

@@ -1,0 +1,871 @@
+"""GPU KV block pool and per-kind allocation, by block id (no ``Block`` objects).
+
+A drop-in alternative to :class:`sim.model.gpu_cache.GpuKVCache` (same methods,
+arguments, decisions, block ids and counters) for long runs.
+
+What it represents differently from the reference (:mod:`sim.model.gpu_cache`)
+    * No ``Block`` objects: a block's reference count, hash, hash group and
+      prefix-cache membership live in flat per-id arrays (lists and a
+      bytearray) indexed by block id, updated in tight loops over ints (the
+      reference sets attributes of one object per block and goes through an
+      ``OrderedDict`` per block). ``0`` stands for the null block wherever the
+      reference hands out ``Block`` objects: :meth:`GpuFastCache.find_hit`
+      returns id lists and :meth:`GpuFastCache.allocate_new` takes them;
+      :class:`BlockView` / :class:`BlockSeq` give read-only ``Block``-like views
+      where a caller still wants objects (``req_blocks``, ``Allocation.blocks``).
+    * A request's block table per group is a list of ids (0: null), the
+      reference's list of ``Block`` with the objects replaced by their ids.
+    * The prefix cache is one ``dict`` per group, ``hash -> block id`` (the
+      reference keys one dict by ``(hash, group)``, a tuple built per block).
+    * The free queue is a deque of *chunks* (lists of ids, head first) instead
+      of an ``OrderedDict`` of blocks: the blocks a free call queues are
+      appended as one piece (extending the tail chunk), allocation slices ids
+      off the head chunk (a read offset, no copy). Taking a cached block out
+      of the middle of the queue (a prefix hit touching a free block) does not
+      search for it: it counts one *stale* entry for that id, and the next
+      occurrence of the id met at the head is dropped. A block's stale entries
+      all precede its valid one (it is queued again only after it left), so
+      the occurrence met first is always a stale one.
+    * Decode steps (one block in, one block out, one block committed) take
+      dedicated one-block paths; whole requests and prefill chunks take the
+      loops. Runs of consecutive ids (``range`` slices) were tried and dropped:
+      after a few hundred requests the free queue is fragmented (20 % of the
+      handed-out blocks are in runs of length 1, most runs are shorter than
+      32), and per-run bookkeeping cost more than it saved.
+
+Why the decisions are the same
+    Every operation visits the blocks in the order the reference visits them
+    and applies the same per-block rule (ref count up or down, queue at 0,
+    hash kept while queued and dropped when handed out again, first block
+    committed under a hash is the cache entry, an evicted block deletes the
+    entry only if the entry is itself: the ``incache`` flag is set when the
+    entry is created and cleared when it is deleted, and nothing else deletes
+    it). A stale queue entry is exactly one the reference deleted from its
+    ``OrderedDict``, so skipping stale entries yields the reference's queue.
+    The hit rules, retention ranges, thresholds and allocation phases are the
+    reference's code, unchanged but for the lookup (``hash in dict``), the id
+    lists and closed forms of ``retained_range(g, n)[0]`` / ``next_skip``
+    evaluated inline. ``tests/model/test_gpu_fast.py`` runs both side by side
+    and compares results, counters, the whole free queue, every block's ref
+    count and hash and the prefix-cache map after every call.
+
+Simplifications
+    None beyond the reference's (its docstring lists them); its quirks are kept
+    too: a Mamba group of a request allocated with no computed tokens records
+    ``-1`` skipped blocks, so its next ``remove_skipped`` also frees the
+    request's last block (``blocks[-1]``), or raises IndexError when the list
+    is empty.
+
+Invariants (:meth:`FastBlockPool.check_invariants`)
+    * a block is a valid free-queue entry exactly when its ref count is 0;
+    * the null block is never queued, freed or hashed (ref count pinned at 1);
+    * ``incache[b]`` exactly when the prefix cache of ``bgrp[b]`` maps
+      ``bhash[b]`` to ``b``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import overload
+
+from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError
+from sim.model.layout import GroupKind, Layout, cdiv
+
+__all__ = ["BlockView", "FastAllocation", "FastBlockPool", "GpuFastCache"]
+
+
+class BlockView:
+    """Read-only ``Block``-like view of one block of a :class:`FastBlockPool`."""
+
+    __slots__ = ("_pool", "block_id")
+
+    def __init__(self, pool: FastBlockPool, block_id: int) -> None:
+        self._pool = pool
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._pool.ref[self.block_id]
+
+    @property
+    def block_hash(self) -> tuple[int, int] | None:
+        h = self._pool.bhash[self.block_id]
+        return None if h is None else (h, self._pool.bgrp[self.block_id])
+
+    def __repr__(self) -> str:
+        return f"BlockView({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockSeq(Sequence[BlockView]):
+    """A block-id list seen as :class:`BlockView` items."""
+
+    __slots__ = ("_pool", "ids")
+
+    def __init__(self, pool: FastBlockPool, ids: Sequence[int]) -> None:
+        self._pool = pool
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> BlockView: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[BlockView]: ...
+
+    def __getitem__(self, i: int | slice) -> BlockView | list[BlockView]:
+        if isinstance(i, slice):
+            return [BlockView(self._pool, b) for b in self.ids[i]]
+        return BlockView(self._pool, self.ids[i])
+
+    def __iter__(self) -> Iterator[BlockView]:
+        pool = self._pool
+        return (BlockView(pool, b) for b in self.ids)
+
+
+class FastBlockPool:
+    """Free queue, prefix cache and reference counts of all GPU blocks, by
+    block id; decisions identical to :class:`sim.model.gpu_cache.BlockPool`."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
+        if num_blocks < 2:
+            raise ValueError("a GPU block pool needs at least 2 blocks (one is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref = [0] * num_blocks
+        self.ref[NULL_BLOCK_ID] = 1  # pinned forever
+        #: hash and group of each block (the group is meaningful while hashed)
+        self.bhash: list[int | None] = [None] * num_blocks
+        self.bgrp = [0] * num_blocks
+        #: 1 where the prefix cache of bgrp[b] maps bhash[b] to b
+        self.incache = bytearray(num_blocks)
+        self._caches: list[dict[int, int]] = [{} for _ in range(max(1, num_groups))]
+        #: chunks of queued ids, head first
+        self._queue: deque[list[int]] = deque([list(range(1, num_blocks))])
+        #: ids of the head chunk below this index are gone
+        self._head = 0
+        #: block id -> how many of its queue entries are stale (it was touched out of
+        #: the queue); a block's stale entries all precede its valid one
+        self._stale: dict[int, int] = {}
+        self._nfree = num_blocks - 1
+        #: blocks whose hash was dropped because they were reused
+        self.num_evicted = 0
+
+    # -- counters ---------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self._nfree
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by some request (the null block excluded)."""
+        return self.num_blocks - 1 - self._nfree
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache."""
+        return sum(map(len, self._caches))
+
+    @property
+    def blocks(self) -> BlockSeq:
+        """A :class:`BlockView` per block id (tests, debugging)."""
+        return BlockSeq(self, range(self.num_blocks))
+
+    @property
+    def null_block(self) -> BlockView:
+        return BlockView(self, NULL_BLOCK_ID)
+
+    def _group_cache(self, g: int) -> dict[int, int]:
+        while g >= len(self._caches):
+            self._caches.append({})
+        return self._caches[g]
+
+    # -- free queue ---------------------------------------------------------------------
+
+    #: chunks grow at the tail up to this many ids (a consumed chunk is released)
+    CHUNK = 4096
+
+    def free_ids_head(self, n: int) -> list[int]:
+        """Ids of the next ``n`` blocks :meth:`get_new_blocks` would hand out."""
+        out: list[int] = []
+        skip = dict(self._stale)
+        off = self._head
+        for chunk in self._queue:
+            if len(out) >= n:
+                break
+            part = chunk[off:] if off else chunk
+            off = 0
+            if not skip or skip.keys().isdisjoint(part):
+                out.extend(part[: n - len(out)])
+                continue
+            for b in part:
+                c = skip.get(b)
+                if c:
+                    skip[b] = c - 1
+                else:
+                    out.append(b)
+                    if len(out) >= n:
+                        break
+        return out
+
+    def _pop_head(self, n: int) -> list[int]:
+        """The ids of the next ``n`` valid queue entries, removed from the queue."""
+        q, stale = self._queue, self._stale
+        out: list[int] = []
+        left = n
+        while left:
+            chunk = q[0]
+            off = self._head
+            if len(chunk) - off <= left:
+                piece = chunk[off:] if off else chunk
+                q.popleft()
+                self._head = 0
+            else:
+                piece = chunk[off : off + left]
+                self._head = off + left
+            if stale and not stale.keys().isdisjoint(piece):
+                piece = self._drop_stale(piece)
+            out += piece
+            left -= len(piece)
+        return out
+
+    def _drop_stale(self, piece: list[int]) -> list[int]:
+        """``piece`` (the next queue entries) without its stale entries."""
+        stale = self._stale
+        good: list[int] = []
+        for b in piece:
+            c = stale.get(b)
+            if c:
+                if c == 1:
+                    del stale[b]
+                else:
+                    stale[b] = c - 1
+            else:
+                good.append(b)
+        return good
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Pop ``n`` blocks from the head of the free queue (ref count 1, no hash)."""
+        if n > self._nfree:
+            raise GpuInvariantError(f"asked for {n} blocks with {self._nfree} free")
+        if n <= 0:
+            return []
+        if n == 1 and not self._stale:
+            return [self._pop_one()]
+        ids = self._pop_head(n)
+        self._nfree -= n
+        ref, bhash, bgrp, incache, caches = self.ref, self.bhash, self.bgrp, self.incache, self._caches
+        evicted = 0
+        for b in ids:
+            ref[b] = 1
+            h = bhash[b]
+            if h is not None:  # evicted: its hash goes, and its cache entry if it is one
+                evicted += 1
+                if incache[b]:
+                    del caches[bgrp[b]][h]
+                    incache[b] = 0
+                bhash[b] = None
+        self.num_evicted += evicted
+        return ids
+
+    def _pop_one(self) -> int:
+        """:meth:`get_new_blocks` of one block, no stale entries queued."""
+        q = self._queue
+        chunk = q[0]
+        off = self._head
+        b = chunk[off]
+        if off + 1 == len(chunk):
+            q.popleft()
+            self._head = 0
+        else:
+            self._head = off + 1
+        self._nfree -= 1
+        self.ref[b] = 1
+        h = self.bhash[b]
+        if h is not None:
+            self.num_evicted += 1
+            if self.incache[b]:
+                del self._caches[self.bgrp[b]][h]
+                self.incache[b] = 0
+            self.bhash[b] = None
+        return b
+
+    def touch(self, ids: Iterable[int]) -> None:
+        """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
+        ref, stale = self.ref, self._stale
+        for b in ids:
+            if b == NULL_BLOCK_ID:
+                continue
+            c = ref[b]
+            if c == 0:
+                stale[b] = stale.get(b, 0) + 1
+                self._nfree -= 1
+            ref[b] = c + 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference of each block, in the given order; blocks reaching
+        0 go to the tail of the free queue (keeping their hash for reuse)."""
+        ref = self.ref
+        queued: list[int] = []
+        try:
+            for b in ids:
+                c = ref[b]
+                if c == 1:
+                    if b != NULL_BLOCK_ID:
+                        ref[b] = 0
+                        queued.append(b)
+                elif c > 1:
+                    ref[b] = c - 1
+                else:
+                    raise GpuInvariantError(f"double free of block {b}")
+        finally:
+            if queued:
+                self._enqueue(queued)
+
+    def _enqueue(self, queued: list[int]) -> None:
+        q = self._queue
+        if q and len(q[-1]) + len(queued) <= self.CHUNK:
+            q[-1].extend(queued)
+        else:
+            q.append(queued)
+        self._nfree += len(queued)
+
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def commit_ids(self, ids: Sequence[int], hashes: Sequence[int], g: int) -> None:
+        """Give the blocks ``ids`` (position order) the hashes ``hashes`` of
+        group ``g``, skipping null and already hashed blocks; the first block
+        committed under a hash becomes its prefix-cache entry."""
+        bhash, bgrp, incache = self.bhash, self.bgrp, self.incache
+        if self.enable_caching:
+            cg = self._group_cache(g)
+            for h, b in zip(hashes, ids, strict=True):
+                if bhash[b] is None and b:
+                    bhash[b] = h
+                    bgrp[b] = g
+                    if h not in cg:
+                        cg[h] = b
+                        incache[b] = 1
+        else:
+            for h, b in zip(hashes, ids, strict=True):
+                if bhash[b] is None and b:
+                    bhash[b] = h
+                    bgrp[b] = g
+
+    def commit(self, block_id: int, block_hash: tuple[int, int]) -> None:
+        """Give a computed block its hash (it becomes a prefix-cache entry)."""
+        h, g = block_hash
+        self.commit_ids([block_id], [h], g)
+
+    def cached(self, block_hash: tuple[int, int]) -> int | None:
+        """Id of the cached block with this hash, if any."""
+        if not self.enable_caching:
+            return None
+        h, g = block_hash
+        return self._caches[g].get(h) if g < len(self._caches) else None
+
+    def check_invariants(self) -> None:
+        """Raise :class:`GpuInvariantError` on inconsistent bookkeeping."""
+        self._check_queue()
+        self._check_cache()
+
+    def _check_queue(self) -> None:
+        ref = self.ref
+        if ref[NULL_BLOCK_ID] != 1 or self.bhash[NULL_BLOCK_ID] is not None:
+            raise GpuInvariantError("the null block lost its pin or got a hash")
+        entries = self.free_ids_head(self.num_blocks + sum(self._stale.values()))
+        free = set(entries)
+        if len(free) != len(entries) or len(entries) != self._nfree:
+            raise GpuInvariantError(f"free queue: {len(entries)} entries, {len(free)} blocks, "
+                                    f"{self._nfree} counted")
+        for b in range(1, self.num_blocks):
+            if ref[b] < 0:
+                raise GpuInvariantError(f"block {b} has a negative ref count")
+            if (ref[b] == 0) != (b in free):
+                raise GpuInvariantError(f"block {b} free-queue membership disagrees with its ref count")
+        raw: dict[int, int] = {}
+        for i, chunk in enumerate(self._queue):
+            for b in chunk[self._head:] if i == 0 else chunk:
+                raw[b] = raw.get(b, 0) + 1
+        for b, c in self._stale.items():
+            if c <= 0 or raw.get(b, 0) != c + (ref[b] == 0):
+                raise GpuInvariantError(f"block {b}: {c} stale entries, {raw.get(b, 0)} in the queue")
+
+    def _check_cache(self) -> None:
+        n = 0
+        for g, cg in enumerate(self._caches):
+            for h, b in cg.items():
+                if self.bhash[b] != h or self.bgrp[b] != g or not self.incache[b]:
+                    raise GpuInvariantError(f"prefix cache of group {g} maps {h} to block {b}")
+            n += len(cg)
+        if self.incache.count(1) != n:
+            raise GpuInvariantError("prefix-cache flags disagree with the cache")
+
+
+class _Table:
+    """One request's block tables."""
+
+    __slots__ = ("done", "lists", "skipped")
+
+    def __init__(self, lists: tuple[list[int], ...], skipped: list[int]) -> None:
+        self.lists = lists
+        #: per group: blocks below this index are committed or null
+        self.done = [0] * len(lists)
+        #: per group: blocks below this index were replaced by null (may be -1, as in the reference)
+        self.skipped = skipped
+
+
+class FastAllocation:
+    """Per-group block lists of one request after an allocation (the fields of
+    :class:`sim.model.gpu_cache.Allocation`, ``blocks`` as :class:`BlockSeq`)."""
+
+    __slots__ = ("_pool", "block_ids", "new_block_ids", "null_prefix")
+
+    def __init__(self, pool: FastBlockPool, lists: tuple[list[int], ...],
+                 new_block_ids: tuple[tuple[int, ...], ...], null_prefix: tuple[int, ...]) -> None:
+        self._pool = pool
+        #: the request's live per-group id lists (0: null); do not modify
+        self.block_ids = lists
+        self.new_block_ids = new_block_ids
+        #: per group, how many leading entries are the null block
+        self.null_prefix = null_prefix
+
+    @property
+    def blocks(self) -> tuple[BlockSeq, ...]:
+        """The request's block lists as views (what the connector reads)."""
+        return tuple(BlockSeq(self._pool, ids) for ids in self.block_ids)
+
+
+class _ReqBlocks(Mapping[str, tuple[BlockSeq, ...]]):
+    """``req_blocks``: request id -> per-group :class:`BlockSeq` (membership,
+    count and iteration as cheap as a dict's)."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: GpuFastCache) -> None:
+        self._cache = cache
+
+    def __getitem__(self, req_id: str) -> tuple[BlockSeq, ...]:
+        pool = self._cache.pool
+        return tuple(BlockSeq(pool, ids) for ids in self._cache._tables[req_id].lists)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._cache._tables
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cache._tables)
+
+    def __len__(self) -> int:
+        return len(self._cache._tables)
+
+
+class GpuFastCache:
+    """Per-group block tables over one shared :class:`FastBlockPool`; the
+    decisions of :class:`sim.model.gpu_cache.GpuKVCache`, blocks as ids.
+
+    Args:
+        layout: the KV cache groups.
+        num_blocks: size of the shared pool, the null block included.
+        enable_caching: GPU prefix caching on or off.
+    """
+
+    def __init__(self, layout: Layout, num_blocks: int, enable_caching: bool = True) -> None:
+        self.layout = layout
+        ngroups = len(layout.groups)
+        self.pool = FastBlockPool(num_blocks, enable_caching, ngroups)
+        self._tables: dict[str, _Table] = {}
+        self.req_blocks = _ReqBlocks(self)
+        self._bs = tuple(g.tokens_per_block for g in layout.groups)
+        self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
+        #: per window-type group: (group, rule, parameter, block size) of its first retained block
+        self._skip_rules = tuple(self._skip_rule(g) for g in range(ngroups)
+                                 if layout.groups[g].kind is not GroupKind.FULL)
+        self._no_new: tuple[tuple[int, ...], ...] = tuple(() for _ in range(ngroups))
+
+    def _skip_rule(self, g: int) -> tuple[int, int, int, int]:
+        """``retained_range(g, n)[0]`` as (rule, p): 0: ``max(0, n - p) // bs``
+        (sliding window, p = W - 1 + e); 1: ``n // p * p // bs`` (chunked local,
+        p = C); 2: ``max(0, (n - 1) // bs)`` (Mamba)."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        if spec.kind is GroupKind.SLIDING_WINDOW:
+            assert spec.window is not None
+            return (g, 0, spec.window - 1 + spec.extra_retained_tokens, bs)
+        if spec.kind is GroupKind.CHUNKED_LOCAL:
+            assert spec.attention_chunk is not None
+            return (g, 1, spec.attention_chunk, bs)
+        return (g, 2, 0, bs)
+
+    # -- views ------------------------------------------------------------------------------
+
+    def block_ids(self, req_id: str) -> list[list[int]]:
+        """Per-group block ids of a request (0: null), fresh lists: the
+        reference's ``[[b.block_id for b in blocks] for blocks in req_blocks[req_id]]``."""
+        return [list(ids) for ids in self._tables[req_id].lists]
+
+    def table_lens(self, req_id: str) -> list[int]:
+        """Per-group block-list lengths of a request (null entries included)."""
+        return [len(ids) for ids in self._tables[req_id].lists]
+
+    def first_fresh(self, ids: Sequence[int], start: int, stop: int) -> int:
+        """Index of the first real, unhashed block of ``ids`` in ``[start,
+        stop)`` (``stop`` when none): the connector's search for the first
+        block to load."""
+        bhash = self.pool.bhash
+        for i in range(max(0, start), stop):
+            b = ids[i]
+            if b != NULL_BLOCK_ID and bhash[b] is None:
+                return i
+        return stop
+
+    # -- retention --------------------------------------------------------------------------
+
+    def retained_range(self, g: int, num_tokens: int) -> tuple[int, int]:
+        """Block index range ``[first, end)`` group ``g`` keeps real at boundary
+        ``num_tokens`` (spec §5.1 table)."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        end = cdiv(num_tokens, bs)
+        if spec.kind is GroupKind.MAMBA:
+            return (max(0, (num_tokens - 1) // bs), end)
+        return (spec.skipped_tokens(num_tokens) // bs, end)
+
+    def next_skip(self, g: int, skipped: int) -> int:
+        """Smallest computed-token count at which group ``g`` drops more than
+        ``skipped`` leading blocks; a large number for full attention."""
+        spec = self.layout.groups[g]
+        bs = self._bs[g]
+        kind = spec.kind
+        if kind is GroupKind.SLIDING_WINDOW:
+            assert spec.window is not None
+            return (skipped + 1) * bs + spec.window - 1 + spec.extra_retained_tokens
+        if kind is GroupKind.CHUNKED_LOCAL:
+            assert spec.attention_chunk is not None
+            return cdiv((skipped + 1) * bs, spec.attention_chunk) * spec.attention_chunk
+        if kind is GroupKind.MAMBA:
+            return (skipped + 1) * bs + 1
+        return 1 << 62
+
+    # -- prefix cache hits --------------------------------------------------------------------
+
+    def find_hit(self, block_hashes: Sequence[int], max_tokens: int) -> tuple[int, tuple[list[int], ...]]:
+        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``.
+
+        Returns:
+            ``(L, ids)`` with per-group hit id lists of ``L // bs_g`` entries
+            (0 where the kind does not need the block).
+        """
+        layout = self.layout
+        if not self.pool.enable_caching:
+            return 0, tuple([] for _ in layout.groups)
+        hit = max_tokens
+        changed = True
+        while changed and hit > 0:
+            changed = False
+            for g in layout.lookup_order:
+                h = self._group_hit(g, block_hashes, hit)
+                if h < hit:
+                    hit, changed = h, True
+        lists = tuple(self._hit_blocks(g, block_hashes, hit) for g in range(len(layout.groups)))
+        return hit, lists
+
+    def _group_hit(self, g: int, block_hashes: Sequence[int], max_tokens: int) -> int:
+        n = max_tokens // self._bs[g]
+        kind = self.layout.groups[g].kind
+        if kind is GroupKind.FULL:
+            return self._prefix_hit(g, block_hashes, n)
+        if kind is GroupKind.MAMBA:
+            return self._last_block_hit(g, block_hashes, n)
+        return self._window_hit(g, block_hashes, n)
+
+    def _is_cached(self, g: int, block_hashes: Sequence[int], i: int) -> bool:
+        return block_hashes[(i + 1) * self._hpb[g] - 1] in self.pool._caches[g]
+
+    def _prefix_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        hpb = self._hpb[g]
+        cg = self.pool._caches[g]
+        i = 0
+        for h in block_hashes[hpb - 1 : n * hpb : hpb]:
+            if h not in cg:
+                break
+            i += 1
+        return i * self._bs[g]
+
+    def _last_block_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        for i in range(n - 1, -1, -1):
+            if self._is_cached(g, block_hashes, i):
+                return (i + 1) * self._bs[g]
+        return 0
+
+    def _empty_boundary(self, g: int, n: int) -> int:
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.CHUNKED_LOCAL:
+            bs = self._bs[g]
+            for end in range(n, 0, -1):
+                if self.retained_range(g, end * bs)[0] >= end:
+                    return end
+            return 0
+        if (spec.window or 0) + spec.extra_retained_tokens <= 1:
+            return n
+        return 0
+
+    def _window_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
+        bs = self._bs[g]
+        empty = self._empty_boundary(g, n)
+        i = n - 1
+        while i >= empty:
+            if not self._is_cached(g, block_hashes, i):
+                i -= 1
+                continue
+            j = i
+            while j > 0 and self._is_cached(g, block_hashes, j - 1):
+                j -= 1
+            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+                return (i + 1) * bs
+            i = j - 2
+        return empty * bs
+
+    def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[int]:
+        n = hit // self._bs[g]
+        first, _ = self.retained_range(g, hit)
+        if self.layout.groups[g].kind is GroupKind.FULL:
+            first = 0
+        out = [NULL_BLOCK_ID] * n
+        if first < n:
+            hpb = self._hpb[g]
+            cg = self.pool._caches[g]
+            ids = list(map(cg.get, block_hashes[(first + 1) * hpb - 1 : n * hpb : hpb]))
+            if None in ids:
+                raise GpuInvariantError(f"hit block {first + ids.index(None)} of group {g} vanished")
+            out[first:n] = ids  # type: ignore[assignment]
+        return out
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def blocks_needed(self, local: Sequence[Sequence[int]], local_tokens: int,
+                      external_tokens: int, num_slots: int) -> int:
+        """Fresh blocks a new request's allocation takes (plus cached hit blocks
+        it pulls out of the free queue)."""
+        total = 0
+        n_comp = local_tokens + external_tokens
+        ref = self.pool.ref
+        for g in range(len(self.layout.groups)):
+            first, _ = self.retained_range(g, n_comp)
+            have = max(first, len(local[g]))
+            total += max(0, cdiv(max(num_slots, n_comp), self._bs[g]) - have)
+            total += sum(1 for b in local[g][first:] if ref[b] == 0 and b != NULL_BLOCK_ID)
+        return total
+
+    def allocate_new(
+        self,
+        req_id: str,
+        local: Sequence[Sequence[int]],
+        local_tokens: int,
+        external_tokens: int,
+        num_slots: int,
+    ) -> FastAllocation | None:
+        """First allocation of a request (vLLM ``allocate_slots`` for a new request).
+
+        Args:
+            req_id: request id.
+            local: per-group local-hit block id lists (from :meth:`find_hit`).
+            local_tokens: L, locally computed tokens.
+            external_tokens: E, tokens to come from the connector.
+            num_slots: token slots needed after this step (>= L + E).
+
+        Returns:
+            The allocation, or None when the pool has too few free blocks.
+        """
+        if req_id in self._tables:
+            raise GpuInvariantError(f"request {req_id} already has blocks")
+        pool = self.pool
+        if self.blocks_needed(local, local_tokens, external_tokens, num_slots) > pool.num_free:
+            return None
+        n_comp = local_tokens + external_tokens
+        groups = self.layout.groups
+        ngroups = len(groups)
+        lists: tuple[list[int], ...] = tuple([] for _ in range(ngroups))
+        new_ids: list[list[int]] = [[] for _ in range(ngroups)]
+        nulls = [0] * ngroups
+        # phase 1: local hits after the null padding, every group first
+        for g in range(ngroups):
+            skip = groups[g].skipped_tokens(n_comp) // self._bs[g]
+            kept = list(local[g][skip:])
+            pool.touch(kept)
+            lst = lists[g]
+            if skip > 0:
+                lst.extend([NULL_BLOCK_ID] * skip)
+            lst.extend(kept)
+            nulls[g] = skip
+        # phase 2: fresh blocks for the retained external tokens
+        if external_tokens:
+            for g in range(ngroups):
+                if min(n_comp - groups[g].skipped_tokens(n_comp), external_tokens) <= 0:
+                    continue
+                fresh = pool.get_new_blocks(max(0, cdiv(n_comp, self._bs[g]) - len(lists[g])))
+                lists[g].extend(fresh)
+                new_ids[g].extend(fresh)
+        # phase 3: slots for the tokens this step computes
+        for g in range(ngroups):
+            want = cdiv(num_slots, self._bs[g]) - len(lists[g])
+            if want > 0:
+                fresh = pool.get_new_blocks(want)
+                lists[g].extend(fresh)
+                new_ids[g].extend(fresh)
+        self._tables[req_id] = _Table(lists, list(nulls))
+        return FastAllocation(pool, lists, tuple(tuple(x) for x in new_ids), tuple(nulls))
+
+    def remove_skipped(self, req_id: str, num_computed: int) -> None:
+        """Free the blocks a window-type group no longer attends over once
+        ``num_computed`` tokens are computed: they become null in the request's
+        list and go to the free queue, highest index first."""
+        t = self._tables[req_id]
+        lists, skipped = t.lists, t.skipped
+        nc = num_computed
+        for g, rule, p, bs in self._skip_rules:
+            if rule == 0:
+                x = nc - p
+                first = x // bs if x > 0 else 0
+            elif rule == 1:
+                first = nc // p * p // bs
+            else:
+                first = (nc - 1) // bs if nc > 0 else 0
+            done = skipped[g]
+            if first <= done:
+                continue
+            blocks = lists[g]
+            if first > len(blocks):
+                first = len(blocks)
+                if first <= done:
+                    continue
+            lo = done if done > 0 else 0
+            removed = blocks[lo:first]
+            removed.reverse()
+            blocks[lo:first] = [NULL_BLOCK_ID] * (first - lo)
+            if done < 0:
+                # the reference's loop runs down to index -1: the last block too
+                removed.append(blocks[-1])
+                blocks[-1] = NULL_BLOCK_ID
+            skipped[g] = first
+            self.pool.free(removed)
+
+    def allocate_more(self, req_id: str, num_computed: int,
+                      num_slots: int) -> tuple[tuple[int, ...], ...] | None:
+        """Slots for a request that already holds blocks: first free what the
+        windows skip at ``num_computed``, then append fresh blocks up to
+        ``num_slots`` tokens.
+
+        Returns:
+            The new block ids per group, or None when the pool has too few free
+            blocks (the skipped blocks are freed all the same, as in vLLM).
+        """
+        self.remove_skipped(req_id, num_computed)
+        lists = self._tables[req_id].lists
+        want: list[int] = []
+        total = 0
+        for blocks, bs in zip(lists, self._bs, strict=True):
+            w = -(-num_slots // bs) - len(blocks)
+            want.append(w)
+            if w > 0:
+                total += w
+        if not total:
+            return self._no_new
+        pool = self.pool
+        if total > pool.num_free:
+            return None
+        out: list[tuple[int, ...]] = []
+        for blocks, w in zip(lists, want, strict=True):
+            if w > 0:
+                fresh = pool.get_new_blocks(w)
+                blocks.extend(fresh)
+                out.append(tuple(fresh))
+            else:
+                out.append(())
+        return tuple(out)
+
+    def thresholds(self, req_id: str) -> tuple[int, int]:
+        """``(slots, computed)``: :meth:`allocate_more` and :meth:`commit` change
+        nothing while the slot count stays below ``slots`` and the computed count
+        below ``computed``."""
+        t = self._tables[req_id]
+        slots = comp = 1 << 62
+        if self.pool.enable_caching:
+            for blocks, d, bs in zip(t.lists, t.done, self._bs, strict=True):
+                slots = min(slots, len(blocks) * bs + 1, (d + 1) * bs)
+        else:
+            for blocks, bs in zip(t.lists, self._bs, strict=True):
+                slots = min(slots, len(blocks) * bs + 1)
+        skipped = t.skipped
+        for g, rule, p, b in self._skip_rules:
+            k = skipped[g] + 1
+            if rule == 0:
+                x = k * b + p
+            elif rule == 1:
+                x = -(-(k * b) // p) * p
+            else:
+                x = k * b + 1
+            comp = min(comp, x)
+        return slots, comp
+
+    def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Give every complete, real block below ``num_tokens`` its hash
+        (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
+        t = self._tables[req_id]
+        done = t.done
+        nh = len(block_hashes)
+        pool = self.pool
+        bhash = pool.bhash
+        for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
+            d = done[g]
+            n = min(num_tokens // bs, len(blocks), nh // hpb)
+            if n <= d:
+                continue
+            done[g] = n
+            if n - d > 1:
+                pool.commit_ids(blocks[d:n], block_hashes[(d + 1) * hpb - 1 : n * hpb : hpb], g)
+                continue
+            b = blocks[d]  # a decode step's block, inline
+            if b and bhash[b] is None:
+                h = block_hashes[n * hpb - 1]
+                bhash[b] = h
+                pool.bgrp[b] = g
+                if pool.enable_caching:
+                    cg = pool._caches[g]
+                    if h not in cg:
+                        cg[h] = b
+                        pool.incache[b] = 1
+
+    def free(self, req_id: str) -> None:
+        """Release every block of a request, tail first."""
+        t = self._tables.pop(req_id)
+        pool = self.pool
+        for blocks, skipped in zip(t.lists, t.skipped, strict=True):
+            # entries below ``skipped`` are null: the reference skips them one by one
+            pool.free(reversed(blocks[skipped:]) if skipped > 0 else reversed(blocks))
+
+    def seed_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Make the first ``num_tokens`` of a sequence a cached GPU prefix, as a
+        finished earlier request would leave it."""
+        tmp = "__seed__"
+        empty: tuple[list[int], ...] = tuple([] for _ in self.layout.groups)
+        if self.allocate_new(tmp, empty, 0, 0, num_tokens) is None:
+            raise GpuInvariantError("GPU pool too small to seed a prefix")
+        t = self._tables[tmp]
+        for g, blocks in enumerate(t.lists):
+            first, _ = self.retained_range(g, num_tokens)
+            if self.layout.groups[g].kind is GroupKind.FULL:
+                first = 0
+            n = num_tokens // self._bs[g]
+            hpb = self._hpb[g]
+            if first < n:
+                if n * hpb > len(block_hashes):
+                    raise IndexError("block_hashes shorter than the prefix to seed")
+                self.pool.commit_ids(blocks[first:n], block_hashes[(first + 1) * hpb - 1 : n * hpb : hpb], g)
+        self.free(tmp)
