@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to copy")
     p.add_argument("--chunk-bytes", metavar="LIST", help="bytes per chunk, e.g. 64KiB,1MiB,8MiB")
     p.add_argument("--batch", metavar="LIST", help="chunks per job, e.g. 1,16,64,256")
-    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per figure (median)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N",
+                   help="timed runs per figure at most (median; at least 3 once 0.2 s is spent)")
     p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE")
     p.set_defaults(func=_cmd_calibrate)
 

@@ -47,8 +47,24 @@ Writes and checks
     vectorised per group and reports the first differing word of each block.
 
 Copies
-    CPU device: one ``index_select`` into a reused staging buffer and one
-    ``index_copy_`` per group and job; timed with ``time.perf_counter``.
+    CPU device: every byte moves once, per group and job (:func:`_one_pass`).
+    Rows of at least ``_RUN_BYTES`` (16 KiB), or runs of rows consecutive on
+    both sides that average that much, are copied run by run as memcpys, all
+    in one ``torch._foreach_copy_``; with more than one torch thread, in
+    pieces of at most ``_GRAIN`` (32768) elements: a piece that small runs on
+    the calling thread, whereas every copy that wakes torch's intra-op pool
+    waits a scheduler tick on a busy machine. Smaller rows whose destination
+    rows form one run take one ``index_select(..., out=dst[a:b])``, whose
+    source rows form one run one ``index_copy_``. Only small rows with neither
+    side contiguous still gather into a reused staging buffer and scatter from
+    it: one torch call per run would cost more than the second pass over the
+    bytes. The timed part is the copy calls (``time.perf_counter``); the
+    planning before them (row lists, runs, views, index tensors) is not, as
+    the index tensors never were. The plan is built in Python lists (cheaper
+    than torch calls for jobs of tens to hundreds of blocks), index tensors
+    only where an index op needs them. ``CopyPath(single_pass=False)`` keeps
+    the former gather/scatter for every job (a reference for tests and
+    ``benchmarks/bench_copypath.py``).
 
     CUDA device: the CPU tensors are pinned. A load gathers the job's CPU
     sub-pages into a pinned staging buffer (host memcpy), then, on a dedicated
@@ -352,6 +368,107 @@ def _bytes_to_word(b: torch.Tensor) -> torch.Tensor:
     return full.contiguous().view(torch.int64).view(-1)
 
 
+#: a job's rows are copied one run at a time when its runs of rows (consecutive on
+#: both sides) average at least this many bytes; below, one torch call per run
+#: costs more than a second pass over the bytes (16 KiB rows break even on a 2-core VM)
+_RUN_BYTES = 16 * 1024
+#: torch runs an op on at most this many elements on the calling thread
+#: (``at::internal::GRAIN_SIZE``); a larger one wakes the intra-op thread pool,
+#: which on a busy machine (``kvsim sweep --jobs N`` on N cores) waits a scheduler
+#: tick, about 16 ms, per op
+_GRAIN = 32768
+
+
+def _is_run(rows: list[int]) -> bool:
+    """Whether ``rows`` (non-empty) are consecutive ascending integers, i.e. one slice."""
+    n = len(rows)
+    return rows[-1] - rows[0] == n - 1 and (n < 3 or rows == list(range(rows[0], rows[0] + n)))
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(source row, destination row, length)`` of pairs consecutive on both sides, in order."""
+    out = []
+    s0, d0, k = src[0], dst[0], 1
+    for i in range(1, len(src)):
+        s, d = src[i], dst[i]
+        if s == s0 + k and d == d0 + k:
+            k += 1
+        else:
+            out.append((s0, d0, k))
+            s0, d0, k = s, d, 1
+    out.append((s0, d0, k))
+    return out
+
+
+def _one_pass(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int],
+              row_bytes: int) -> Callable[[], object] | None:
+    """Rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` as one prepared call that moves each byte once.
+
+    ``dst`` and ``src`` are contiguous 2-D tensors of the same row width,
+    ``row_bytes`` the bytes of one row. Destination rows are distinct (a job
+    never writes a row twice), so the order of the row copies does not matter.
+    Measured on a 2-core VM (``benchmarks/bench_copypath.py``):
+
+    * rows of ``_RUN_BYTES`` or more, runs (rows consecutive on both sides)
+      that average that much, or one run: a memcpy per run, all in one
+      ``torch._foreach_copy_``, the runs cut into pieces of at most ``_GRAIN``
+      elements so that none wakes torch's thread pool (unless torch has one
+      thread, where whole runs cost fewer calls). Per-row ``copy_`` calls that
+      each wake the pool lose a scheduler tick apiece on a busy machine;
+      ``index_copy_`` is an element-wise kernel, slower for large rows even
+      from a contiguous source.
+    * smaller rows, destination rows one run:
+      ``torch.index_select(src, 0, src_idx, out=dst[a:b])``;
+    * smaller rows, source rows one run: ``dst.index_copy_(0, dst_idx, src[a:b])``.
+
+    Returns:
+        The call, or None for rows under ``_RUN_BYTES`` with neither side
+        contiguous and short runs, where a gather into staging and a scatter
+        cost less than one torch call per run.
+    """
+    n = len(dst_rows)
+    runs: list[tuple[int, int, int]] | None = None
+    if row_bytes * 16 >= _RUN_BYTES:  # shorter rows would need runs of 16+ rows to pay
+        runs = _runs(src_rows, dst_rows)
+    elif _is_run(src_rows) and _is_run(dst_rows):
+        runs = [(src_rows[0], dst_rows[0], n)]
+    if runs is not None and (len(runs) == 1 or row_bytes * n >= _RUN_BYTES * len(runs)):
+        w = dst.shape[1]
+        dflat, sflat = dst.view(-1), src.view(-1)
+        dv: list[torch.Tensor] = []
+        sv: list[torch.Tensor] = []
+        if torch.get_num_threads() == 1:  # no thread pool to keep out of: whole runs
+            for s, d, k in runs:
+                dv.append(dflat[d * w: (d + k) * w])
+                sv.append(sflat[s * w: (s + k) * w])
+        else:
+            for s, d, k in runs:
+                dv += torch.split(dflat[d * w: (d + k) * w], _GRAIN)
+                sv += torch.split(sflat[s * w: (s + k) * w], _GRAIN)
+        return partial(torch._foreach_copy_, dv, sv)
+    if _is_run(dst_rows):
+        src_idx = torch.tensor(src_rows, dtype=torch.int64)
+        return partial(torch.index_select, src, 0, src_idx, out=dst[dst_rows[0]: dst_rows[0] + n])
+    if _is_run(src_rows):
+        dst_idx = torch.tensor(dst_rows, dtype=torch.int64)
+        return partial(dst.index_copy_, 0, dst_idx, src[src_rows[0]: src_rows[0] + n])
+    return None
+
+
+def _index_tensors(plan: Sequence[tuple[int, list[int], list[int]]]
+                   ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """A job plan with int64 index tensors in place of the row lists."""
+    return [(g, torch.tensor(ids, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64))
+            for g, ids, flat in plan]
+
+
+def _gather_scatter(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor,
+                    stage: torch.Tensor) -> None:
+    """The two-pass copy: ``src`` rows gathered into ``stage``, then scattered into ``dst``."""
+    torch.index_select(src, 0, src_idx, out=stage)
+    dst.index_copy_(0, dst_idx, stage)
+
+
 class CopyPath:
     """GPU and CPU KV tensors of every group, and the worker's copies between them.
 
@@ -366,6 +483,9 @@ class CopyPath:
         memory_limit_bytes: refuse when all tensors together would exceed
             this; None: the GPU side must fit free device memory (on cuda) and
             the CPU side available RAM (both sides on cpu).
+        single_pass: on the cpu device, copy every byte once (:func:`_one_pass`);
+            False: the former gather into staging and scatter for every job (a
+            reference for tests and benchmarks). No effect on cuda.
 
     Raises:
         ValueError: bad argument, or the tensors would not fit (one line with
@@ -374,7 +494,7 @@ class CopyPath:
 
     def __init__(self, layout: Layout, gpu_blocks: int, cpu_slots: int, *,
                  mode: Literal["fingerprint", "realistic"] = "fingerprint", device: str = "auto",
-                 memory_limit_bytes: int | None = None) -> None:
+                 memory_limit_bytes: int | None = None, single_pass: bool = True) -> None:
         if mode not in ("fingerprint", "realistic"):
             raise ValueError(f"copy path mode {mode!r} is unknown; allowed: fingerprint, realistic")
         if gpu_blocks < 1 or cpu_slots < 1:
@@ -382,6 +502,7 @@ class CopyPath:
         self._device = _resolve_device(device)
         self._dev = torch.device(self._device)
         self._cuda = self._dev.type == "cuda"
+        self._single_pass = single_pass
         self.layout = layout
         self.mode = mode
         self.gpu_blocks = gpu_blocks
@@ -638,8 +759,11 @@ class CopyPath:
     # -- copies -----------------------------------------------------------------------
 
     def _plan(self, group_sizes: Sequence[int], block_indices: Sequence[int], gpu_block_ids: Sequence[int],
-              cpu_slots: Sequence[int], what: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Spec §8.2: per group, (group, GPU block ids, flat CPU sub-page indices) of a job."""
+              cpu_slots: Sequence[int], what: str) -> list[tuple[int, list[int], list[int]]]:
+        """Spec §8.2: per group, (group, GPU block ids, flat CPU sub-page indices) of a job.
+
+        Python lists: a job has tens to hundreds of blocks, where list arithmetic
+        costs less than torch calls; :func:`_index_tensors` makes index tensors."""
         ng = len(self._groups)
         if len(group_sizes) != ng or len(block_indices) != ng:
             raise CopyPathError(f"{what}: group_sizes {list(group_sizes)} and block_indices "
@@ -666,16 +790,17 @@ class CopyPath:
             raise CopyPathError(f"{what}: GPU block ids out of [1, {self.gpu_blocks}): {list(gpu_block_ids)}")
         if soff and (min(cpu_slots) < 0 or max(cpu_slots) >= self.cpu_slots):
             raise CopyPathError(f"{what}: CPU slots out of [0, {self.cpu_slots}): {list(cpu_slots)}")
-        ids_t = torch.tensor(list(gpu_block_ids), dtype=torch.int64)
-        slots_t = torch.tensor(list(cpu_slots), dtype=torch.int64)
+        ids, slots = list(gpu_block_ids), list(cpu_slots)
         plan = []
         for g, n, skip, go, so in spans:
-            k = torch.arange(skip, skip + n, dtype=torch.int64)
-            flat = slots_t[so + k // bpc] * bpc + k % bpc
-            plan.append((g, ids_t[go: go + n], flat))
+            if bpc == 1:
+                flat = slots[so: so + n]
+            else:
+                flat = [slots[so + k // bpc] * bpc + k % bpc for k in range(skip, skip + n)]
+            plan.append((g, ids[go: go + n], flat))
         return plan
 
-    def _staging(self, plan: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
+    def _staging(self, plan: Sequence[tuple[int, Any, Any]]) -> list[tuple[int, int]]:
         """(byte offset, bytes) of each group's region; grows the staging buffers to fit."""
         regions = []
         off = 0
@@ -693,6 +818,36 @@ class CopyPath:
         off, size = region
         assert off + size <= buf.numel(), "staging buffer not grown"
         return buf[off: off + size].view(grp.gpu_w.dtype).view(n, -1)
+
+    def _cpu_copy(self, plan: Sequence[tuple[int, list[int], list[int]]], *, store: bool) -> float:
+        """A job's copies on the cpu device: each group's rows in one pass where
+        :func:`_one_pass` finds one, else through staging. Only the copy calls are timed."""
+        calls: list[Callable[[], object]] = []
+        staged: list[tuple[int, list[int], list[int]]] = []
+        for g, ids, flat in plan:
+            grp = self._groups[g]
+            call = None
+            if self._single_pass:
+                if store:
+                    call = _one_pass(grp.cpu_w, flat, grp.gpu_w, ids, grp.row_bytes)
+                else:
+                    call = _one_pass(grp.gpu_w, ids, grp.cpu_w, flat, grp.row_bytes)
+            if call is None:
+                staged.append((g, ids, flat))
+            else:
+                calls.append(call)
+        if staged:
+            for (g, ids_t, flat_t), region in zip(_index_tensors(staged), self._staging(staged), strict=True):
+                grp = self._groups[g]
+                buf = self._region(self._stage_host, region, grp, len(ids_t))
+                if store:
+                    calls.append(partial(_gather_scatter, grp.cpu_w, flat_t, grp.gpu_w, ids_t, buf))
+                else:
+                    calls.append(partial(_gather_scatter, grp.gpu_w, ids_t, grp.cpu_w, flat_t, buf))
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        return time.perf_counter() - t0
 
     def store(self, group_sizes: Sequence[int], block_indices: Sequence[int], gpu_block_ids: Sequence[int],
               cpu_slots: Sequence[int]) -> float:
@@ -720,14 +875,11 @@ class CopyPath:
         if not plan:
             return 0.0
         if not self._cuda:
-            t0 = time.perf_counter()
-            for g, ids, flat in plan:
-                grp = self._groups[g]
-                region = self._staging([(g, ids, flat)])[0]  # may replace the staging buffer
-                buf = self._region(self._stage_host, region, grp, len(ids))
-                torch.index_select(grp.gpu_w, 0, ids, out=buf)
-                grp.cpu_w.index_copy_(0, flat, buf)
-            return time.perf_counter() - t0
+            return self._cpu_copy(plan, store=True)
+        return self._cuda_store(_index_tensors(plan))
+
+    def _cuda_store(self, plan: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> float:
+        """:meth:`store` on cuda: device gather, one D2H copy into pinned staging, host scatter."""
         regions = self._staging(plan)
         total = regions[-1][0] + regions[-1][1]
         dev_ids = [ids.to(self._dev) for _, ids, _ in plan]
@@ -773,14 +925,11 @@ class CopyPath:
         if not plan:
             return 0.0
         if not self._cuda:
-            t0 = time.perf_counter()
-            for g, ids, flat in plan:
-                grp = self._groups[g]
-                region = self._staging([(g, ids, flat)])[0]  # may replace the staging buffer
-                buf = self._region(self._stage_host, region, grp, len(ids))
-                torch.index_select(grp.cpu_w, 0, flat, out=buf)
-                grp.gpu_w.index_copy_(0, ids, buf)
-            return time.perf_counter() - t0
+            return self._cpu_copy(plan, store=False)
+        return self._cuda_load(_index_tensors(plan))
+
+    def _cuda_load(self, plan: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> float:
+        """:meth:`load` on cuda: host gather into pinned staging, one H2D copy, device scatter."""
         regions = self._staging(plan)
         total = regions[-1][0] + regions[-1][1]
         dev_ids = [ids.to(self._dev) for _, ids, _ in plan]
@@ -806,23 +955,56 @@ class CopyPath:
 
 # -- calibration ---------------------------------------------------------------------
 
-_KIB, _MIB, _GIB = 2**10, 2**20, 2**30
+_KIB, _MIB = 2**10, 2**20
 DEFAULT_CHUNK_BYTES = (64 * _KIB, 256 * _KIB, 1 * _MIB, 4 * _MIB, 8 * _MIB)
 DEFAULT_BATCH_SIZES = (1, 16, 64, 256)
+#: combinations above this many bytes per job are skipped by default
+DEFAULT_MAX_JOB_BYTES = 256 * _MIB
+#: seconds of timed runs per figure after which a figure stops sampling (at least 3 runs)
+DEFAULT_BUDGET_S = 0.2
 
 
-def _timed(fn: Callable[[], float], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after one warm-up call."""
-    fn()
-    return statistics.median(fn() for _ in range(repeats))
+def _timed_pair(batched: Callable[[], float], contiguous: Callable[[], float], repeats: int,
+                budget_s: float) -> tuple[float, float, int]:
+    """Medians of interleaved batched and contiguous timings after one warm-up of each.
+
+    Interleaving lets both figures see the same background load. Sampling stops after
+    ``repeats`` pairs, or once ``budget_s`` is spent and ``min(3, repeats)`` pairs are in.
+
+    Returns:
+        (batched median s, contiguous median s, pairs timed).
+    """
+    batched()
+    contiguous()
+    bs: list[float] = []
+    cs: list[float] = []
+    start = time.perf_counter()
+    while len(bs) < repeats:
+        bs.append(batched())
+        cs.append(contiguous())
+        if len(bs) >= min(3, repeats) and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(bs), statistics.median(cs), len(bs)
 
 
-def _contiguous_timers(device: str, nbytes: int) -> tuple[Callable[[], float], Callable[[], float]]:
-    """Timers of one contiguous copy of ``nbytes`` in each direction (h2d, d2h)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
-        gpu = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+def _contiguous_timers(cp: CopyPath, n: int) -> tuple[Callable[[], float], Callable[[], float]]:
+    """Timers of one contiguous copy of ``n`` rows of group 0 of ``cp`` in each
+    direction (h2d: CPU rows ``[0, n)`` to GPU rows ``[1, n + 1)``, d2h the reverse).
+
+    The same tensors as the batched copies, so both see the same memory (pinned
+    host and device on cuda) and the same caches. On cpu the copy goes as the
+    batched copies go (:func:`_one_pass`): one ``copy_`` where torch has one
+    thread or the rows hold at most ``_GRAIN`` elements, else in pieces of at
+    most ``_GRAIN`` elements on the calling thread. A ``copy_`` that wakes
+    torch's thread pool can be faster on an idle machine with many cores, but on
+    a busy one it waits a scheduler tick, and the pool's threads, spinning after
+    it, slow down the copies timed next; ``benchmarks/bench_copypath.py``
+    compares the two.
+    """
+    grp = cp._groups[0]
+    gpu, host = grp.gpu_w[1: n + 1].view(-1), grp.cpu_w[:n].view(-1)
+
+    if cp._cuda:
 
         def cuda_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
             begin, done = _cuda_event(), _cuda_event()
@@ -832,16 +1014,18 @@ def _contiguous_timers(device: str, nbytes: int) -> tuple[Callable[[], float], C
             done.synchronize()
             return float(begin.elapsed_time(done)) / 1e3
 
-        return (lambda: cuda_copy(gpu, host)), (lambda: cuda_copy(host, gpu))
-    a = torch.ones(nbytes, dtype=torch.uint8)
-    b = torch.ones(nbytes, dtype=torch.uint8)
+        return partial(cuda_copy, gpu, host), partial(cuda_copy, host, gpu)
 
-    def cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    def cpu_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> float:
         t0 = time.perf_counter()
-        dst.copy_(src)
+        torch._foreach_copy_(dst, src)
         return time.perf_counter() - t0
 
-    return (lambda: cpu_copy(a, b)), (lambda: cpu_copy(b, a))
+    if torch.get_num_threads() > 1:
+        pg, ph = list(torch.split(gpu, _GRAIN)), list(torch.split(host, _GRAIN))
+    else:
+        pg, ph = [gpu], [host]
+    return partial(cpu_copy, pg, ph), partial(cpu_copy, ph, pg)
 
 
 def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -870,42 +1054,58 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_BYTES,
               batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 5, *,
-              max_job_bytes: int = _GIB, seed: int = 0) -> dict[str, Any]:
+              max_job_bytes: int = DEFAULT_MAX_JOB_BYTES, seed: int = 0, budget_s: float = DEFAULT_BUDGET_S,
+              single_pass: bool = True) -> dict[str, Any]:
     """Measure batched page copies as :class:`CopyPath` does them against one contiguous copy.
 
     For each chunk size ``c`` (one block row of one group, ``bpc = 1``) and batch
     size ``n`` (chunks per job), a realistic-mode :class:`CopyPath` stores and
     loads ``n`` chunks between scattered GPU blocks and CPU slots (a seeded
-    permutation); one contiguous copy of the same ``n x c`` bytes on the same
-    device (pinned host <-> device on cuda, memcpy on cpu) is timed in the same
-    run. Each figure is the median of ``repeats`` runs after one warm-up. On cpu
-    "h2d" means the load path and "d2h" the store path.
+    permutation); one contiguous copy of the same ``n x c`` bytes between the
+    same two tensors (rows ``[0, n)``; pinned host <-> device on cuda; on cpu
+    a memcpy on the calling thread, like the batched copies, see
+    :func:`_contiguous_timers`) is timed in the same run, interleaved with the
+    batched copy so that both see the same background load. Each figure is
+    the median of ``repeats`` runs after one warm-up, or of fewer (at least 3)
+    once ``budget_s`` seconds of runs are spent on it. On cpu "h2d" means the
+    load path and "d2h" the store path.
 
     Args:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         chunk_bytes: bytes per chunk to try.
         batch_sizes: chunks per job to try.
-        repeats: timed runs per figure (after a warm-up).
+        repeats: timed runs per figure (after a warm-up), at most.
         max_job_bytes: combinations above this many bytes per job are skipped.
         seed: seed of the block/slot permutation.
+        budget_s: seconds of timed runs per figure after which it stops
+            sampling (once 3 runs are in); keeps the defaults under 30 s on a
+            busy 2-core machine.
+        single_pass: False: time the former gather/scatter copies on cpu
+            (``CopyPath(single_pass=False)``), for benchmarks.
 
     Returns:
         ``rows`` (one dict per combination: ``chunk_bytes``, ``batch``,
         ``job_bytes``, ``h2d_s``/``d2h_s`` and ``contig_h2d_s``/``contig_d2h_s``
         medians, the matching ``*_gbps`` (1e9 B/s) and ``h2d_ratio``/``d2h_ratio``
-        = batched / contiguous bandwidth), ``skipped`` combinations, and the
+        = batched / contiguous bandwidth, ``samples``: the fewest runs behind a
+        figure of the row), ``skipped`` combinations, and the
         fitted ``h2d_bandwidth``/``d2h_bandwidth`` (B/s),
         ``h2d_latency_s``/``d2h_latency_s``, ``contig_h2d_bandwidth``/
         ``contig_d2h_bandwidth``, ``h2d_ratio``/``d2h_ratio`` (fitted batched /
         fitted contiguous bandwidth) and ``ratio`` (the smaller of the two),
         ``h2d_ratio_largest``/``d2h_ratio_largest`` (the ratio at the largest
-        job measured, where caches matter least), plus ``device``, ``device_name``, ``torch``, ``repeats``.
+        job measured, where caches matter least), ``pool_copy_gbps`` (on cpu with
+        more than one torch thread: one ``copy_`` of the largest job split across
+        ``pool_threads`` threads, which the batched copies do not do; else None),
+        plus ``device``, ``device_name``, ``torch``, ``repeats``, ``budget_s``.
 
     Raises:
         ValueError: bad argument, unknown or unavailable device, or not enough memory.
     """
     if repeats < 1:
         raise ValueError(f"repeats {repeats}; allowed: >= 1")
+    if not budget_s >= 0:
+        raise ValueError(f"budget_s {budget_s}; allowed: >= 0")
     if not chunk_bytes or not batch_sizes or min(chunk_bytes) < 1 or min(batch_sizes) < 1:
         raise ValueError(f"chunk sizes {list(chunk_bytes)} and batch sizes {list(batch_sizes)}; "
                          "allowed: non-empty lists of positive integers")
@@ -920,21 +1120,21 @@ def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_B
             continue
         pool = max(batches)
         layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=c)], tokens_per_hash=16)
-        cp = CopyPath(layout, pool + 1, pool, mode="realistic", device=dev)
+        cp = CopyPath(layout, pool + 1, pool, mode="realistic", device=dev, single_pass=single_pass)
         # real pages, not the kernel's shared zero page (reads of that would flatter the copies)
         cp.gpu_tensor(0).fill_(1)
         cp.cpu_tensor(0).fill_(1)
         for n in batches:
             blocks = (torch.randperm(pool, generator=gen)[:n] + 1).tolist()
             slots = torch.randperm(pool, generator=gen)[:n].tolist()
-            load_s = _timed(partial(cp.load, [n], [0], blocks, slots), repeats)
-            store_s = _timed(partial(cp.store, [n], [0], blocks, slots), repeats)
-            h2d, d2h = _contiguous_timers(dev, n * c)
-            ch2d_s, cd2h_s = _timed(h2d, repeats), _timed(d2h, repeats)
+            h2d, d2h = _contiguous_timers(cp, n)
+            job_args = ([n], [0], blocks, slots)
+            load_s, ch2d_s, k1 = _timed_pair(partial(cp.load, *job_args), h2d, repeats, budget_s)
+            store_s, cd2h_s, k2 = _timed_pair(partial(cp.store, *job_args), d2h, repeats, budget_s)
             del h2d, d2h
             job = n * c
             rows.append({
-                "chunk_bytes": c, "batch": n, "job_bytes": job,
+                "chunk_bytes": c, "batch": n, "job_bytes": job, "samples": min(k1, k2),
                 "h2d_s": load_s, "d2h_s": store_s, "contig_h2d_s": ch2d_s, "contig_d2h_s": cd2h_s,
                 "h2d_gbps": job / load_s / 1e9, "d2h_gbps": job / store_s / 1e9,
                 "contig_h2d_gbps": job / ch2d_s / 1e9, "contig_d2h_gbps": job / cd2h_s / 1e9,
@@ -949,6 +1149,7 @@ def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_B
         "device_name": torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") else "cpu",
         "torch": str(torch.__version__),
         "repeats": repeats,
+        "budget_s": budget_s,
         "rows": rows,
         "skipped": skipped,
     }
@@ -963,19 +1164,41 @@ def calibrate(device: str = "auto", chunk_bytes: Sequence[int] = DEFAULT_CHUNK_B
         out[f"{d}_ratio_largest"] = statistics.median(
             r[f"{d}_ratio"] for r in rows if r["job_bytes"] == biggest)
     out["ratio"] = min(out["h2d_ratio"], out["d2h_ratio"])
+    out["pool_threads"] = torch.get_num_threads() if dev == "cpu" else 0
+    out["pool_copy_gbps"] = _pool_copy_gbps(max(r["job_bytes"] for r in rows), repeats) \
+        if out["pool_threads"] > 1 else None
     return out
+
+
+def _pool_copy_gbps(nbytes: int, repeats: int) -> float:
+    """GB/s of one ``copy_`` of ``nbytes`` on the cpu that torch splits across its threads
+    (median of ``repeats`` after a warm-up): what the calling-thread copies leave on the table."""
+    word = _word_dtype(nbytes)
+    size = torch.empty(0, dtype=word).element_size()
+    a = torch.ones(nbytes // size, dtype=word)
+    b = torch.ones(nbytes // size, dtype=word)
+
+    def copy() -> float:
+        t0 = time.perf_counter()
+        b.copy_(a)
+        return time.perf_counter() - t0
+
+    copy()
+    return nbytes / statistics.median(copy() for _ in range(repeats)) / 1e9
 
 
 def calibration_table(result: dict[str, Any]) -> str:
     """The rows of :func:`calibrate` as a fixed-width table."""
     lines = [f"kvsim calibrate: {result['device']} ({result['device_name']}), torch {result['torch']}, "
-             f"median of {result['repeats']}",
+             f"median of {result['repeats']} runs per figure (fewer past {result['budget_s']:g} s; "
+             f"'runs': the fewest in the row)",
              f"{'chunk':>10} {'chunks/job':>10} {'job':>10} {'h2d GB/s':>9} {'d2h GB/s':>9} "
-             f"{'contig h2d':>10} {'contig d2h':>10} {'h2d ratio':>9} {'d2h ratio':>9}"]
+             f"{'contig h2d':>10} {'contig d2h':>10} {'h2d ratio':>9} {'d2h ratio':>9} {'runs':>4}"]
     for r in result["rows"]:
         lines.append(f"{_fmt_bytes(r['chunk_bytes']):>10} {r['batch']:>10} {_fmt_bytes(r['job_bytes']):>10} "
                      f"{r['h2d_gbps']:>9.2f} {r['d2h_gbps']:>9.2f} {r['contig_h2d_gbps']:>10.2f} "
-                     f"{r['contig_d2h_gbps']:>10.2f} {r['h2d_ratio']:>9.2f} {r['d2h_ratio']:>9.2f}")
+                     f"{r['contig_d2h_gbps']:>10.2f} {r['h2d_ratio']:>9.2f} {r['d2h_ratio']:>9.2f} "
+                     f"{r['samples']:>4}")
     for c, n in result["skipped"]:
         lines.append(f"{_fmt_bytes(c):>10} {n:>10} {'skipped (above max job bytes)':>32}")
     lines.append(f"fit t = latency + bytes / bandwidth: h2d {result['h2d_bandwidth'] / 1e9:.2f} GB/s + "
@@ -985,6 +1208,11 @@ def calibration_table(result: dict[str, Any]) -> str:
                  f"{result['contig_d2h_bandwidth'] / 1e9:.2f} GB/s; ratio {result['ratio']:.2f} "
                  f"(largest job: h2d {result['h2d_ratio_largest']:.2f}, "
                  f"d2h {result['d2h_ratio_largest']:.2f})")
+    if result.get("pool_copy_gbps"):
+        biggest = max(r["job_bytes"] for r in result["rows"])
+        lines.append(f"batched and contiguous copies run on the calling thread; one copy_ of "
+                     f"{_fmt_bytes(biggest)} on torch's {result['pool_threads']} threads: "
+                     f"{result['pool_copy_gbps']:.2f} GB/s")
     return "\n".join(lines)
 
 
@@ -1009,7 +1237,7 @@ def hardware_snippet(result: dict[str, Any]) -> str:
         f"# kvsim calibrate on {result['device']} ({result['device_name']}), torch {result['torch']}: "
         f"batched page copies as sim.engine.copypath does them,",
         f"# chunks {_fmt_bytes(sizes[0])}..{_fmt_bytes(sizes[-1])} x {batches[0]}..{batches[-1]} per job, "
-        f"median of {result['repeats']};",
+        f"median of up to {result['repeats']};",
         f"# at the largest job ({_fmt_bytes(biggest['job_bytes'])}) one contiguous copy ran at "
         f"{biggest['contig_h2d_gbps']:.2f} GB/s h2d, {biggest['contig_d2h_gbps']:.2f} GB/s d2h",
         f"# (batched / contiguous there: h2d {biggest['h2d_ratio']:.2f}, d2h {biggest['d2h_ratio']:.2f})",

@@ -8,11 +8,13 @@ The last tests prove that the rest of the package neither needs nor imports torc
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
 import tomllib
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -20,10 +22,13 @@ import pytest
 import torch
 
 from sim.cli import main
+from sim.engine import copypath
 from sim.engine.copypath import (
     CopyPath,
     CopyPathError,
     Violation,
+    _gather_scatter,
+    _one_pass,
     calibrate,
     fingerprints,
     hardware_snippet,
@@ -273,6 +278,187 @@ def test_jobs_that_do_not_consume_their_lists_exactly_are_refused_before_copying
             op(sizes, indices, blocks, slots)
     assert all(torch.equal(spec6.cpu_tensor(g), before[g]) for g in range(3))
     assert all(torch.equal(spec6.gpu_tensor(g), gpu_before[g]) for g in range(3))
+
+
+# -- the single-pass CPU copies against a straightforward reference ---------------------------
+
+
+def ref_copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
+    """The reference: one row at a time, in job order."""
+    for d, s in zip(dst_rows, src_rows, strict=True):
+        dst[d] = src[s]
+
+
+def row_pattern(rng: random.Random, kind: str, k: int, lo: int, hi: int) -> list[int]:
+    """``k`` row numbers in ``[lo, hi)``, distinct unless ``kind`` is ``repeated``."""
+    if kind == "run":
+        a = rng.randrange(lo, hi - k + 1)
+        return list(range(a, a + k))
+    if kind == "reversed":
+        a = rng.randrange(lo, hi - k + 1)
+        return list(range(a + k - 1, a - 1, -1))
+    if kind == "runs":  # shuffled runs of 2..5 consecutive rows
+        length = rng.randrange(2, 6)
+        pieces = [list(range(a, min(a + length, hi))) for a in range(lo, hi, length)]
+        rng.shuffle(pieces)
+        return [r for piece in pieces for r in piece][:k]
+    if kind == "repeated":  # a short pattern over and over (sources only)
+        pattern = rng.sample(range(lo, hi), rng.randrange(1, 4))
+        return [pattern[i % len(pattern)] for i in range(k)]
+    assert kind == "random"
+    return rng.sample(range(lo, hi), k)
+
+
+DST_KINDS = ["random", "run", "runs", "reversed"]
+SRC_KINDS = [*DST_KINDS, "repeated"]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread: the bytes do not depend on it, and on a busy 2-core machine every
+    parallel op of a second thread can wait a scheduler tick (these tests do thousands)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("row_words", [1, 16, 256, 2048, 4096])  # rows of 8 B .. 32 KiB
+@pytest.mark.usefixtures("one_thread")
+def test_one_pass_copies_the_same_bytes_as_the_reference_and_the_gather_scatter(row_words: int) -> None:
+    rng = random.Random(row_words)
+    gen = torch.Generator().manual_seed(row_words)
+    src = torch.randint(-2**62, 2**62, (40, row_words), dtype=torch.int64, generator=gen)
+    base = torch.randint(-2**62, 2**62, (48, row_words), dtype=torch.int64, generator=gen)
+    used: set[str] = set()
+    for dk in DST_KINDS:
+        for sk in SRC_KINDS:
+            for k in (1, 2, 3, 7, 24):
+                dst_rows, src_rows = row_pattern(rng, dk, k, 0, 48), row_pattern(rng, sk, k, 0, 40)
+                d_idx, s_idx = torch.tensor(dst_rows), torch.tensor(src_rows)
+                want, old, new = base.clone(), base.clone(), base.clone()
+                ref_copy_rows(want, dst_rows, src, src_rows)
+                _gather_scatter(old, d_idx, src, s_idx, torch.empty(k, row_words, dtype=torch.int64))
+                call = _one_pass(new, dst_rows, src, src_rows, row_words * 8)
+                if call is None:
+                    used.add("staging")
+                else:
+                    func = call.func  # type: ignore[attr-defined]
+                    used.add(getattr(func, "__name__", str(func)))
+                    call()
+                    assert torch.equal(new, want), (dk, sk, k)
+                assert torch.equal(old, want), (dk, sk, k)
+    if row_words * 8 < 16384:  # small rows: one run (or long ones) by slices, the fused index ops, staging
+        assert used == {"_foreach_copy_", "index_select", "index_copy_", "staging"}
+    else:  # rows of 16 KiB and more: always run by run, in pieces
+        assert used == {"_foreach_copy_"}
+
+
+def test_one_pass_cuts_runs_into_pieces_below_the_parallel_grain_when_torch_has_threads() -> None:
+    """Pieces of at most 32768 elements never wake torch's intra-op pool (which can wait a
+    scheduler tick per op on a busy machine); with one thread, whole runs are copied."""
+    src = torch.arange(40 * 4096, dtype=torch.int64).view(40, 4096)  # 32 KiB rows
+    dst_rows, src_rows = [*range(3, 13), 20, 30], [*range(25, 35), 0, 5]  # runs of 10, 1, 1
+    before = torch.get_num_threads()
+    try:
+        for threads, numels in ((2, [32768, 8192, 4096, 4096]), (1, [40960, 4096, 4096])):
+            torch.set_num_threads(threads)
+            dst, want = torch.zeros(40, 4096, dtype=torch.int64), torch.zeros(40, 4096, dtype=torch.int64)
+            call = _one_pass(dst, dst_rows, src, src_rows, 4096 * 8)
+            assert call is not None and call.func is torch._foreach_copy_  # type: ignore[attr-defined]
+            assert [t.numel() for t in call.args[0]] == numels  # type: ignore[attr-defined]
+            call()
+            ref_copy_rows(want, dst_rows, src, src_rows)
+            assert torch.equal(dst, want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def random_job(rng: random.Random, cp: CopyPath,
+               store: bool) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A job with per-group patterns; destinations distinct within a group (as in any real job)."""
+    bpc = cp.layout.blocks_per_chunk
+    sizes, indices, blocks, slots = [], [], [], []
+    for _ in cp.layout.groups:
+        n = rng.choice([0, 1, 1, 2, 5, 9, 16])
+        b = rng.randrange(0, 50)
+        sizes.append(n)
+        indices.append(b)
+        if n == 0:
+            continue
+        m = -(-(n + b % bpc) // bpc)
+        blocks += row_pattern(rng, rng.choice(SRC_KINDS if store else DST_KINDS), n, 1, cp.gpu_blocks)
+        slots += row_pattern(rng, rng.choice(DST_KINDS if store else SRC_KINDS), m, 0, cp.cpu_slots)
+    return sizes, indices, blocks, slots
+
+
+def reference_job(gpu: list[torch.Tensor], cpu: list[torch.Tensor], bpc: int, store: bool, sizes: list[int],
+                  indices: list[int], blocks: list[int], slots: list[int]) -> None:
+    """Spec §8.2 placement, one row at a time."""
+    goff = soff = 0
+    for g, (n, b) in enumerate(zip(sizes, indices, strict=True)):
+        if n == 0:
+            continue
+        skip = b % bpc
+        for i in range(n):
+            blk, slot, sub = blocks[goff + i], slots[soff + (skip + i) // bpc], (skip + i) % bpc
+            if store:
+                cpu[g][slot, sub] = gpu[g][blk]
+            else:
+                gpu[g][blk] = cpu[g][slot, sub]
+        goff += n
+        soff += -(-(n + skip) // bpc)
+
+
+@pytest.mark.parametrize("mode", ["fingerprint", "realistic"])
+@pytest.mark.parametrize("bpc", [1, 4])
+@pytest.mark.parametrize("pieces", [False, True])
+@pytest.mark.usefixtures("one_thread")
+def test_store_and_load_write_the_same_bytes_as_the_reference_and_the_gather_scatter(
+        mode: Literal["fingerprint", "realistic"], bpc: int, pieces: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if pieces:  # as with a thread pool, and with pieces far smaller than rows and runs
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        monkeypatch.setattr(copypath, "_GRAIN", 1000)
+    copied: list[int] = []  # elements per copy of the run-by-run path
+    foreach_copy = torch._foreach_copy_
+
+    def spy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        copied.extend(t.numel() for t in dst)
+        foreach_copy(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    # rows of 128 B, 16 KiB + 8 B (int64 words), 32 KiB and 16 KiB + 1 B (uint8 words)
+    groups = [GroupSpec(GroupKind.FULL, bs, bytes_per_block=b)
+              for bs, b in ((16, 128), (2048, 16392), (4096, 32768), (16, 16385))]
+    if mode == "fingerprint":
+        groups = groups[:3]  # fingerprint rows: 128 B, 16 KiB, 32 KiB
+    layout = Layout.of(groups, tokens_per_hash=16, blocks_per_chunk=bpc)
+    new = CopyPath(layout, 40, 24, mode=mode, device="cpu")
+    old = CopyPath(layout, 40, 24, mode=mode, device="cpu", single_pass=False)
+    gen = torch.Generator().manual_seed(bpc)
+    ref_gpu, ref_cpu = [], []
+    for g in range(len(groups)):
+        for side in (new.gpu_tensor, new.cpu_tensor):
+            t = side(g)
+            t.copy_(torch.randint(0, 127, t.shape, generator=gen).to(t.dtype))
+        old.gpu_tensor(g).copy_(new.gpu_tensor(g))
+        old.cpu_tensor(g).copy_(new.cpu_tensor(g))
+        ref_gpu.append(new.gpu_tensor(g).clone())
+        ref_cpu.append(new.cpu_tensor(g).clone())
+    rng = random.Random(bpc)
+    for j in range(120):
+        store = j % 2 == 0
+        job = random_job(rng, new, store)
+        for cp in (new, old):
+            assert (cp.store if store else cp.load)(*job) >= 0
+        reference_job(ref_gpu, ref_cpu, bpc, store, *job)
+        for g in range(len(groups)):
+            assert torch.equal(new.gpu_tensor(g), ref_gpu[g]), (j, g, job)
+            assert torch.equal(new.cpu_tensor(g), ref_cpu[g]), (j, g, job)
+            assert torch.equal(old.gpu_tensor(g), ref_gpu[g]), (j, g, job)
+            assert torch.equal(old.cpu_tensor(g), ref_cpu[g]), (j, g, job)
+    assert (max(copied) <= 1000) if pieces else (max(copied) > 1000)
 
 
 # -- verify ------------------------------------------------------------------------------
