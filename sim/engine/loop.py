@@ -93,7 +93,7 @@ from sim.model.scheduler import (
     TransferJob,
 )
 
-__all__ = ["CopyPathConfig", "Engine", "EngineConfig", "InvariantViolation", "RunResult",
+__all__ = ["CopyPathConfig", "Engine", "EngineConfig", "InvariantViolation", "SimulationResult",
            "simulate"]
 
 @dataclass(frozen=True)
@@ -157,8 +157,10 @@ class EngineConfig:
 
 
 @dataclass
-class RunResult:
-    """How a run ended, and its summary figures."""
+class SimulationResult:
+    """What one simulation produced: how it ended, its summary figures and its reproducer
+    snapshots (:class:`~sim.tools.run.RunOutcome` is the run folder written from it,
+    :class:`~sim.io.results.RunResults` a run folder read back)."""
 
     status: Literal["ok", "stopped_on_crash", "time_limit"]
     summary: RunSummary
@@ -451,7 +453,7 @@ class Engine:
 
     # -- run ----------------------------------------------------------------------------
 
-    def run(self) -> RunResult:
+    def run(self) -> SimulationResult:
         env = self.env
         env.process(self._arrivals())
         engine = env.process(self._engine())
@@ -476,11 +478,11 @@ class Engine:
                 problems.append(f"{len(self.xfers)} transfers never completed")
             if problems:
                 raise InvariantViolation("; ".join(problems))
-        return RunResult(status, s, list(self.sched.reproducers))
+        return SimulationResult(status, s, list(self.sched.reproducers))
 
 
 def simulate(config: EngineConfig, requests: Iterable[Request], recorder: Recorder, *,
-             progress: Callable[[int, float], None] | None = None) -> RunResult:
+             progress: Callable[[int, float], None] | None = None) -> SimulationResult:
     """Replay ``requests`` through the engine; rows go to ``recorder``.
 
     Args:

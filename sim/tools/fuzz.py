@@ -83,7 +83,7 @@ from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.windows import profile
 
 if TYPE_CHECKING:
-    from sim.engine.loop import RunResult
+    from sim.engine.loop import SimulationResult
 
 __all__ = [
     "Condition",
@@ -1150,7 +1150,7 @@ class RunFinding:
         return (self.kind, self.logic, re.sub(r"\d+", "N", text)[:120])
 
 
-def _simulate(data: dict[str, Any], source: Path) -> RunResult:
+def _simulate(data: dict[str, Any], source: Path) -> SimulationResult:
     spec = build_run(data, source)
     return simulate(spec.engine_config(), spec.requests(), Recorder(_NullSink()))
 
@@ -1164,7 +1164,7 @@ class _WallTimeout(BaseException):
     inside the engine swallows it)."""
 
 
-def _guarded(fn: Callable[[], RunResult], seconds: float) -> RunResult:
+def _guarded(fn: Callable[[], SimulationResult], seconds: float) -> SimulationResult:
     """``fn()`` under a wall-clock limit (SIGALRM; main thread on POSIX only,
     else unguarded)."""
     if seconds <= 0 or not hasattr(signal, "setitimer") or \

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from sim.engine.loop import Engine, EngineConfig, RunResult, simulate
+from sim.engine.loop import Engine, EngineConfig, SimulationResult, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import Request, chain_hash
 from sim.model.costs import StepCostModel, TransferModel
@@ -60,7 +60,7 @@ def timeline(frames: dict[str, pd.DataFrame]) -> list[tuple[str, str, float]]:
     return sorted(log, key=lambda e: (e[2], e[0]))
 
 
-def crash_world(on_crash: str, logic: str) -> tuple[dict[str, pd.DataFrame], RunResult]:
+def crash_world(on_crash: str, logic: str) -> tuple[dict[str, pd.DataFrame], SimulationResult]:
     """Spec §6.1 inside a run: the spec §6 layout, request b of 4353 tokens
     arrives while the CPU cache holds fa[0..3], swa[15] and short[118..121]
     (swa[14], the left key, missing). OLD hits 3904 and asserts in

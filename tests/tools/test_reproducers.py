@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.engine.loop import Engine, EngineConfig, RunResult
+from sim.engine.loop import Engine, EngineConfig, SimulationResult
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.check import CheckCase, write_reproducers
 from sim.model.costs import StepCostModel
 from tests.engine.worlds import SPEC6, crash_world, req
 
 
-def _loading_world(logic: str) -> RunResult:
+def _loading_world(logic: str) -> SimulationResult:
     """Spec §6.1 with the left key swa[14] present but being loaded by another
     request (a load that completes at t = 2): OLD loads it a second time."""
     b = req("b", 1.0, 4353, 3, prefix=5, tph=8)
