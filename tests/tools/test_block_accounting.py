@@ -37,6 +37,7 @@ def _same(a: Path, b: Path) -> None:
         sorted(p.name for p in (b / "reproducers").glob("*"))
 
 
+@pytest.mark.slow
 def test_default_study_is_identical_with_both_accountings(tmp_path: Path) -> None:
     scenario = ROOT / "scenarios" / "default.toml"
     _same(_run(scenario, tmp_path / "fast", "fast"), _run(scenario, tmp_path / "ref", "reference"))
