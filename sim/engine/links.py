@@ -178,7 +178,7 @@ class CopyHooks:
         return float(self.copy.store(p.group_sizes, p.block_indices, p.src_block_ids, p.slots))
 
     def _ids(self, r: LiveRequest) -> list[list[int]]:
-        return [[b.block_id for b in blocks] for blocks in self.gpu.req_blocks[r.req_id]]
+        return self.gpu.block_ids(r.req_id)
 
     def write(self, r: LiveRequest, start: int, end: int) -> None:
         """The step computed tokens [start, end) of ``r``: write their KV fingerprints."""

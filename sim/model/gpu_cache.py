@@ -499,6 +499,14 @@ class GpuKVCache:
                         cached[h] = b
             done[g] = max(done[g], n)
 
+    def block_ids(self, req_id: str) -> list[list[int]]:
+        """Per-group block ids of a request (0: null), fresh lists."""
+        return [[b.block_id for b in blocks] for blocks in self.req_blocks[req_id]]
+
+    def table_lens(self, req_id: str) -> list[int]:
+        """Per-group block-list lengths of a request (null entries included)."""
+        return [len(blocks) for blocks in self.req_blocks[req_id]]
+
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""
         lists = self.req_blocks.pop(req_id)

@@ -866,8 +866,7 @@ class Scheduler:
     def _sync_block_ids(self, conn: OffloadingScheduler, sched: list[Scheduled]) -> None:
         for r, _, ids in sched:
             if not r.synced:
-                conn.update_block_ids(r.req_id, [[b.block_id for b in bl]
-                                                 for bl in self.gpu.req_blocks[r.req_id]])
+                conn.update_block_ids(r.req_id, self.gpu.block_ids(r.req_id))
                 r.synced = True
             elif ids is not None:
                 conn.update_block_ids(r.req_id, ids)
@@ -1094,9 +1093,9 @@ class Scheduler:
         steps_alloc = [0] * k
         for r in running:
             nc = r.num_computed
-            for g, blocks in enumerate(gpu.req_blocks[r.req_id]):
+            for g, n_blocks in enumerate(gpu.table_lens(r.req_id)):
                 bs = self.layout.groups[g].tokens_per_block
-                for s in range(len(blocks) * bs - nc, k, bs):
+                for s in range(n_blocks * bs - nc, k, bs):
                     steps_alloc[s] += 1
         limit = pool.num_free
         fences = self.conn.block_fences if self.conn is not None else {}
