@@ -78,9 +78,7 @@ import simpy
 from sim.engine.links import LATE, At, CopyHooks, Link, Proc, Transfer
 from sim.engine.metrics import EventRow, OccupancyRow, Recorder, RequestRow, RunSummary, StepRow, TransferRow
 from sim.model.connector import LoadPlan, StorePlan
-from sim.model.costs import ZERO_STEP, ZERO_TRANSFER, StepCostModel, TransferModel
-from sim.model.cpu_cache import EvictionPolicy
-from sim.model.layout import Layout
+from sim.model.costs import ZERO_TRANSFER, TransferModel
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
     InvariantViolation,
@@ -117,31 +115,16 @@ class CopyPathConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine needs, already validated (see :mod:`sim.io.scenario`)."""
+class EngineConfig(SchedulerConfig):
+    """Everything the engine needs, already validated (see :mod:`sim.io.scenario`): the
+    scheduler's share (:class:`~sim.model.scheduler.SchedulerConfig`, which the engine
+    hands to the scheduler as it is) plus the links, sampling, time limit and copy path."""
 
-    layout: Layout
-    gpu_blocks: int
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    prefix_caching: bool = True
-    offloading: bool = True
-    offload_prompt_only: bool = True
-    cpu_capacity_chunks: int = 0
-    eviction: EvictionPolicy = EvictionPolicy.LRU
-    window_logic: Literal["old", "new"] = "new"
-    on_crash: Literal["record", "stop"] = "record"
-    step_cost: StepCostModel = ZERO_STEP
     h2d: TransferModel = ZERO_TRANSFER
     d2h: TransferModel = ZERO_TRANSFER
-    fast_forward: bool = True
     occupancy_interval_s: float = 1.0
     max_sim_time_s: float | None = None
-    #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
-    assertions: bool = True
     copy_path: CopyPathConfig | None = None
-    #: ``fast`` or ``reference`` GPU block accounting (see :class:`SchedulerConfig`)
-    block_accounting: Literal["fast", "reference"] = "fast"
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:
@@ -151,9 +134,6 @@ class EngineConfig:
         if self.occupancy_interval_s <= 0:
             raise ValueError("occupancy_interval_s must be > 0")
 
-    def scheduler_config(self) -> SchedulerConfig:
-        """The scheduler's share (the fields of the same names)."""
-        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})
 
 
 @dataclass
@@ -186,7 +166,7 @@ class Engine:
         self.env = simpy.Environment()
         self.layout = cfg.layout
         hooks = SchedulerHooks(event=self._model_event, release=self._release)
-        self.sched = Scheduler(cfg.scheduler_config(), hooks)
+        self.sched = Scheduler(cfg, hooks)
         self.gpu, self.cpu, self.conn = self.sched.gpu, self.sched.cpu, self.sched.conn
         self.summary = RunSummary()
         self.completed: list[Transfer] = []

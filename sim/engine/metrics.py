@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from sim.model.scheduler import SchedulerStats
+
 __all__ = [
     "ROW_TYPES",
     "TABLES",
@@ -265,37 +267,20 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 @dataclass
-class RunSummary:
-    """Figures of a run, accumulated while it runs (``summary.json``)."""
+class RunSummary(SchedulerStats):
+    """Figures of a run, accumulated while it runs (``summary.json``): the
+    scheduler's counts (:class:`~sim.model.scheduler.SchedulerStats`, copied in at
+    the end) plus what the engine counts itself."""
 
-    requests_arrived: int = 0
     requests_finished: int = 0
     requests_rejected: int = 0
-    prompt_tokens: int = 0
-    gpu_hit_tokens: int = 0
-    cpu_hit_tokens: int = 0
-    cpu_reload_tokens: int = 0
-    computed_tokens: int = 0
-    recomputed_tokens: int = 0
     output_tokens: int = 0
     steps: int = 0
     step_rows: int = 0
-    preemptions: int = 0
-    deferrals: int = 0
-    deferral_reasons: dict[str, int] = field(default_factory=dict)
-    load_jobs: int = 0
-    store_jobs: int = 0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
     h2d_busy_s: float = 0.0
     d2h_busy_s: float = 0.0
     flushed_stores: int = 0
     store_rejections: int = 0
-    crashes: int = 0
-    crash_kinds: dict[str, int] = field(default_factory=dict)
-    first_crash_s: float | None = None
-    hazards: int = 0
-    hazard_kinds: dict[str, int] = field(default_factory=dict)
     integrity_violations: int = 0
     sim_time_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
