@@ -706,6 +706,17 @@ class OffloadingScheduler:
                 return False
         return True
 
+    def _no_chunk_due(self, st: _ReqState, tokens_after_step: int) -> bool:
+        """No group has a whole chunk beyond ``next_stored`` at this many
+        tokens: :meth:`build_store_job` would offer nothing and change nothing
+        (``_storable`` only lowers ``tokens // tpc``), so it need not refresh
+        the keys or scan the groups (the steady decode step's common case)."""
+        tokens = self._offloadable(st, tokens_after_step)
+        for n, tpc in zip(st.next_stored, self._tpc, strict=True):
+            if tokens >= (n + 1) * tpc:
+                return False
+        return True
+
     def _storable(self, st: _ReqState, g: int, tokens: int) -> int:
         n = tokens // self._tpc[g]
         decoding = tokens > st.req.num_prompt_tokens
@@ -738,8 +749,12 @@ class OffloadingScheduler:
             already on CPU, or no room: then the same chunks are offered next step).
         """
         st = self._reqs[req_id]
-        if st.store_quiet and tokens_after_step is not None:
-            return None
+        if tokens_after_step is not None:
+            if st.store_quiet:
+                return None
+            if self._no_chunk_due(st, tokens_after_step):
+                self._check_quiet(st)   # as the path below does when nothing is offered
+                return None
         req = st.req
         self._refresh_keys(st)
         if tokens_after_step is None:
