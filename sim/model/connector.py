@@ -712,10 +712,7 @@ class OffloadingScheduler:
         (``_storable`` only lowers ``tokens // tpc``), so it need not refresh
         the keys or scan the groups (the steady decode step's common case)."""
         tokens = self._offloadable(st, tokens_after_step)
-        for n, tpc in zip(st.next_stored, self._tpc, strict=True):
-            if tokens >= (n + 1) * tpc:
-                return False
-        return True
+        return all(tokens < (n + 1) * tpc for n, tpc in zip(st.next_stored, self._tpc, strict=True))
 
     def _storable(self, st: _ReqState, g: int, tokens: int) -> int:
         n = tokens // self._tpc[g]
