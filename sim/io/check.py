@@ -7,12 +7,16 @@ how many tokens it will load (or that it defers), which chunks it passes to
 ``prepare_load``, which GPU blocks the load fills, and whether an assertion
 fires (a *modelled crash*, reported as an outcome).
 
-Nothing here decides an outcome: the scenario's state is built in the real
-model objects (:class:`~sim.model.cpu_cache.CpuChunkCache`,
+Nothing here decides an outcome. :func:`run_check` and :func:`evaluate` ask
+the decision kernel (:mod:`sim.model.decision`: the scheduler's lookup and
+load plan on a read-only chunk-state table and a closed-form allocation).
+The reference path, :func:`build_world` / :func:`reference_check`, builds the
+scenario's state in the real model objects
+(:class:`~sim.model.cpu_cache.CpuChunkCache`,
 :class:`~sim.model.gpu_cache.GpuKVCache`, :class:`~sim.model.connector.OffloadingScheduler`)
-and the model is executed.
+and executes the model; ``tests/model/test_decision.py`` holds both equal.
 
-State construction
+State construction (the reference path; the kernel reads the same states)
     * ``present``: ``prepare_store`` + ``complete_store``;
     * ``pending``: ``prepare_store`` only (ref count -1);
     * ``loading``: present, then ``prepare_load`` by another request (ref 1)
@@ -39,9 +43,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from sim.errors import InputError
-from sim.io.schema import GroupEntry, Strict
+from sim.io.schema import (
+    MAX_CPU_CHUNKS,
+    MAX_GPU_BLOCKS,
+    WHY_CPU_CHUNKS,
+    WHY_GPU_BLOCKS,
+    GroupEntry,
+    ProblemError,
+    Strict,
+    Tokens,
+    at_most,
+)
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache
+from sim.model.decision import MISSING, DecisionLayout, decide, decide_codes, decision_layout, state_code
 from sim.model.gpu_cache import Block, GpuKVCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
 from sim.model.scheduler import ReproducerSnapshot
@@ -50,11 +65,14 @@ from sim.model.windows import profile
 __all__ = [
     "CheckCase",
     "CheckScenario",
+    "case_outcomes",
     "case_toml",
     "compare",
     "load_check_file",
     "parse_check",
+    "reference_check",
     "run_check",
+    "scenario_outcomes",
     "toml_value",
     "write_reproducers",
 ]
@@ -88,12 +106,13 @@ class CheckScenario(Strict):
     name: str | None = Field(None, description="optional label")
     window_logic: Literal["old", "new", "both"] = "both"
     groups: list[CheckGroup] = Field(min_length=1)
-    blocks_per_chunk: int = Field(1, gt=0)
-    tokens_per_hash: int = Field(gt=0)
-    num_tokens: int = Field(gt=0, description="prompt length in tokens")
-    gpu_computed_tokens: int = Field(0, ge=0, description="local GPU prefix-cache hit")
+    blocks_per_chunk: Annotated[int, at_most(MAX_GPU_BLOCKS, "GPU blocks", WHY_GPU_BLOCKS)] = Field(1, gt=0)
+    tokens_per_hash: Tokens = Field(gt=0)
+    num_tokens: Tokens = Field(gt=0, description="prompt length in tokens (limit: sim.io.schema.MAX_TOKENS)")
+    gpu_computed_tokens: Tokens = Field(0, ge=0, description="local GPU prefix-cache hit")
     prefix_caching: bool = True
-    cpu_capacity_chunks: int | None = Field(None, gt=0)
+    cpu_capacity_chunks: Annotated[int, at_most(MAX_CPU_CHUNKS, "chunks", WHY_CPU_CHUNKS)] | None = Field(
+        None, gt=0)
     chunk_states: dict[str, dict[str, ChunkStateName]] = Field(default_factory=dict)
     expect: dict[Logic, Expectation] = Field(default_factory=dict)
 
@@ -236,6 +255,7 @@ def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int],
     """``chunk_states`` as {(group, chunk): state}, validated against the layout."""
     layout = sc.layout()
     out: dict[tuple[int, int], ChunkStateName] = {}
+    origin: dict[tuple[int, int], str] = {}  # (group, chunk) -> the range that states it
     for gkey, table in sc.chunk_states.items():
         if not gkey.isdigit() or int(gkey) >= len(sc.groups):
             raise InputError(source, f"chunk_states.{gkey}", "unknown group",
@@ -252,6 +272,12 @@ def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int],
                                  f"chunk {rng[-1]} is beyond the prompt's {limit} complete chunks",
                                  f"chunk indices 0..{limit - 1}")
             for j in rng:
+                prev = origin.get((g, j))
+                if prev is not None:
+                    raise InputError(source, f"chunk_states.{gkey}",
+                                     f'ranges "{prev}" ({table[prev]}) and "{ckey}" ({state}) both state '
+                                     f"chunk {j}", "ranges that do not overlap: one state per chunk")
+                origin[(g, j)] = ckey
                 out[(g, j)] = state
     cap = sc.cpu_capacity_chunks
     if cap is not None and len(out) > cap:
@@ -274,6 +300,9 @@ def _located(exc: ValidationError, source: str) -> InputError:
     if kind == "missing":
         return InputError(source, loc, "required key missing")
     ctx = err.get("ctx") or {}
+    inner = ctx.get("error")
+    if isinstance(inner, ProblemError):
+        return InputError(source, ".".join(p for p in (loc, inner.key) if p), inner.problem, inner.allowed)
     allowed = str(ctx["expected"]) if "expected" in ctx else err["msg"]
     return InputError(source, loc, f"{err.get('input')!r} is invalid", allowed)
 
@@ -428,12 +457,24 @@ def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
 
 
 def run_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
-    """Execute the model for one logic and return the outcome (JSON-ready).
+    """The outcome of one logic (JSON-ready), from the decision kernel.
 
     The outcome has ``external_tokens`` (None when deferred), ``load_async``,
     ``load_keys`` (sorted [group, chunk]), ``group_sizes``, ``block_indices``,
     ``crash`` (None or {kind, group, chunk, message}) and ``hazards``.
     """
+    return case_outcomes(case, (logic,))[logic]
+
+
+def case_outcomes(case: CheckCase, logics: Sequence[Logic] = ("old", "new")) -> dict[str, dict[str, Any]]:
+    """The outcome of each logic (:func:`run_check`'s), decided once per case."""
+    dl = decision_layout(case.groups, case.tokens_per_hash, case.blocks_per_chunk)
+    return decide(dl, case.states, case.num_tokens, case.gpu_computed_tokens, case.prefix_caching, logics)
+
+
+def reference_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
+    """:func:`run_check` through the real model objects (:func:`build_world`):
+    the reference the decision kernel is tested against."""
     return build_world(case, logic).decide()
 
 
@@ -467,17 +508,107 @@ def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
 
 def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """Run every logic the scenario asks for; return outcomes and mismatches."""
-    outcomes: dict[str, dict[str, Any]] = {}
+    outcomes = scenario_outcomes(sc, source)
     mismatches: dict[str, list[str]] = {}
-    case = sc.case(source)
-    for logic in sc.logics():
-        outcomes[logic] = run_check(case, logic)
-        exp = sc.expect.get(logic)
-        if exp is not None:
-            diffs = compare(exp, outcomes[logic])
-            if diffs:
-                mismatches[logic] = diffs
+    if sc.expect:
+        for logic in sc.logics():
+            exp = sc.expect.get(logic)
+            if exp is not None:
+                diffs = compare(exp, outcomes[logic])
+                if diffs:
+                    mismatches[logic] = diffs
     return outcomes, mismatches
+
+
+def scenario_outcomes(sc: CheckScenario, source: str) -> dict[str, dict[str, Any]]:
+    """The outcome of every logic the scenario asks for (:func:`run_check`'s
+    on ``sc.case(source)``), without building the :class:`CheckCase`: the
+    chunk-state ranges are written straight into the kernel's table. A
+    scenario whose states or local hit do not pass that way goes through
+    :meth:`CheckScenario.case` (which validates them: :class:`InputError`)."""
+    dl = _scenario_layout(sc)
+    n = sc.num_tokens
+    table = _scenario_table(sc, dl)
+    if table is None:
+        states = sc.case(source).states
+        return decide(dl, states, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics())
+    codes, loading = table
+    return decide_codes(dl, codes, loading, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics())
+
+
+_LAYOUTS: dict[tuple[Any, ...], DecisionLayout] = {}
+_RANGES: dict[str, tuple[int, int]] = {}  #: parsed chunk_states keys: "118..121" -> (118, 122)
+_GROUP_KEYS = {str(g): g for g in range(64)}  #: chunk_states group keys read without int()
+
+
+def _scenario_layout(sc: CheckScenario) -> DecisionLayout:
+    """The kernel's layout of a scenario, cached by the groups' field values
+    (no :class:`~sim.model.layout.GroupSpec` built on a hit)."""
+    try:
+        key: tuple[Any, ...] | None = (sc.tokens_per_hash, sc.blocks_per_chunk,
+                                       *[tuple(g.__dict__.values()) for g in sc.groups])
+        dl = _LAYOUTS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # pragma: no cover - an unhashable field
+        key = dl = None
+    if dl is None:
+        dl = decision_layout([g.spec() for g in sc.groups], sc.tokens_per_hash, sc.blocks_per_chunk)
+        if key is not None:
+            if len(_LAYOUTS) >= 4096:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = dl
+    return dl
+
+
+def _scenario_table(sc: CheckScenario, dl: DecisionLayout
+                    ) -> tuple[list[list[Any]], set[tuple[int, int]]] | None:
+    """The kernel's chunk table of ``chunk_states`` (as :func:`expand_chunk_states`
+    reads it), or None where that function would object (an unknown group, a
+    bad or out-of-range chunk range, overlapping ranges, more chunks than the
+    CPU capacity, a bad local hit) or where this reader is not sure (a group
+    key other than "0".."63"): the caller then goes the validating way."""
+    n = sc.num_tokens
+    local = sc.gpu_computed_tokens
+    if local >= n:
+        return None
+    for bs in dl.bs:
+        if local % bs:
+            return None
+    codes = [[MISSING] * (n // t) for t in dl.tpc]
+    loading: set[tuple[int, int]] = set()
+    stated = 0
+    ng = dl.ng
+    for gkey, table in sc.chunk_states.items():
+        g = _GROUP_KEYS.get(gkey, ng)
+        if g >= ng:
+            return None
+        cg = codes[g]
+        for ckey, state in table.items():
+            ab = _RANGES.get(ckey)
+            if ab is None:
+                rng = _parse_chunk_range(ckey)
+                if rng is None:
+                    return None
+                if len(_RANGES) >= 4096:
+                    _RANGES.clear()
+                ab = _RANGES[ckey] = (rng.start, rng.stop)
+            a, b = ab
+            if b > len(cg):
+                return None
+            if b - a == 1:
+                if cg[a] is not MISSING:
+                    return None  # overlapping ranges
+                cg[a] = state_code[state]
+            else:
+                if cg[a:b].count(MISSING) != b - a:
+                    return None
+                cg[a:b] = [state_code[state]] * (b - a)
+            stated += b - a
+            if state == "loading":
+                loading.update((g, j) for j in range(a, b))
+    cap = sc.cpu_capacity_chunks
+    if cap is not None and stated > cap:
+        return None
+    return codes, loading
 
 
 def summarize(outcome: dict[str, Any]) -> str:

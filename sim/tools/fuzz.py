@@ -18,21 +18,19 @@ Decision fuzzer (``kvsim fuzz --budget N --seed S``)
     size relation, and the kind/alignment/EAGLE/extra/misfit of the group the
     crash or hazard names). The first finding of every condition (lowest
     index) is shrunk by greedy delta debugging while its condition is kept,
-    re-run through :func:`sim.io.check.run_check` (the reference path) and
+    re-run through :func:`sim.io.check.reference_check` (the reference path) and
     written as one ``check/1`` library entry with the observed outcomes as
     expectations.
 
-    Speed: the search decides scenarios with :func:`fast_outcomes`, which runs
-    the real :class:`~sim.model.connector.OffloadingScheduler` and
-    :mod:`sim.model.windows` profiles but replaces two pieces of scaffolding that
-    :func:`sim.io.check.build_world` builds with the general-purpose objects:
-    the CPU cache is a read-only table of the stated chunk states (lookup and
-    ``prepare_load``'s two assertions, the only parts a single decision can
-    observe) and the GPU allocation of the one request is laid out directly
-    as null / local-hit / fresh blocks per group (spec §5.1) instead of
-    running a pool of thousands of blocks. Both are checked against
-    ``run_check`` (tests, every ``verify_every``-th scenario, and every
-    written case).
+    Speed: the search decides scenarios with :func:`fast_outcomes`, the
+    decision kernel (:mod:`sim.model.decision`, which :func:`sim.io.check.run_check`
+    uses too): the scheduler's lookup and load plan on a read-only table of
+    the stated chunk states and a closed-form GPU allocation, with per-layout
+    constants built once per shape. Every ``verify_every``-th scenario and
+    every shrunk case are also decided by :func:`reference_outcomes`, the
+    real-object path (:func:`sim.io.check.reference_check`: CPU chunk cache,
+    per-block GPU cache and scheduler), and a difference is reported as a
+    divergence.
 
 Whole-run fuzzer (``kvsim fuzz --runs N --seed S [--copy-path]``)
     Random small ``run/1`` scenarios (inline layouts with real shapes, small
@@ -67,20 +65,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
 from sim.engine.loop import InvariantViolation, simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
-from sim.io.check import CheckCase, Logic, case_toml, parse_check, run_check, summarize
+from sim.io.check import CheckCase, Logic, case_toml, parse_check, reference_check, run_check, summarize
 from sim.io.scenario import build_run
-from sim.model.connector import ModelledCrashError, OffloadingScheduler
-from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
-from sim.model.gpu_cache import Block
+from sim.model.connector import ModelledCrashError
+from sim.model.decision import DecisionLayout, decide, decision_layout
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
-from sim.model.windows import profile
 
 if TYPE_CHECKING:
     from sim.engine.loop import SimulationResult
@@ -203,7 +199,7 @@ def generate_shape(rng: random.Random) -> _Shape:
         groups.append(GroupSpec(kind, bs, window, chunk, extra, gi == eagle))
         wchunks.append(w)
     gt = tuple(groups)
-    layout = Layout.of(list(gt), tph, bpc)
+    layout = decision_layout(gt, tph, bpc).layout  # built once, shared with the search
     return _Shape(gt, tph, bpc, layout.tokens_per_chunk, tuple(wchunks), layout)
 
 
@@ -328,153 +324,21 @@ def scenario_at(seed: int, index: int) -> CheckCase:
 # The fast decision path
 # ----------------------------------------------------------------------------------------------
 
-_HIT = LookupResult.HIT
-_PENDING = LookupResult.HIT_PENDING
-_RETRY = LookupResult.RETRY
-_MISS = LookupResult.MISS
-
-
-class _Answers(dict[OffloadKey, LookupResult]):
-    """Lookup answers of the stated keys; every other key is a MISS."""
-
-    def __missing__(self, key: OffloadKey) -> LookupResult:
-        return _MISS
-
-
-class _StateTable:
-    """The stated chunk states of one scenario, with the slice of
-    :class:`~sim.model.cpu_cache.CpuChunkCache` a single decision uses: ``lookup``
-    (HIT for ready or loading, HIT_PENDING for a pending store, RETRY for a
-    marked absent key, else MISS), ``touch`` (no effect on a decision),
-    ``prepare_load`` (its two assertions, first failing key in order) and
-    ``state``. Read-only, so one table serves both logics."""
-
-    __slots__ = ("_ref", "lookup")
-
-    def __init__(self, ref: dict[OffloadKey, int], uncertain: set[OffloadKey]) -> None:
-        self._ref = ref
-        answers = _Answers(dict.fromkeys(uncertain, _RETRY))
-        answers.update((key, _PENDING if r < 0 else _HIT) for key, r in ref.items())
-        #: a C-level bound method: the scheduler calls it for every key it scans
-        self.lookup: Callable[[OffloadKey], LookupResult] = answers.__getitem__
-
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        return None
-
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        ref = self._ref
-        for key in keys:
-            r = ref.get(key)
-            if r is None:
-                raise CacheAssertion(key, "missing_chunk")
-            if r < 0:
-                raise CacheAssertion(key, "chunk_not_ready")
-        if len(set(keys)) != len(keys):
-            raise ValueError("prepare_load: the same key twice")
-        return tuple(range(len(keys)))
-
-    def state(self, key: OffloadKey) -> ChunkState:
-        r = self._ref.get(key)
-        if r is None:
-            return ChunkState.MISSING
-        return ChunkState.PENDING if r < 0 else (ChunkState.READY if r == 0 else ChunkState.LOADING)
-
-    def slot(self, key: OffloadKey) -> int | None:
-        return 0 if key in self._ref else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Req:
-    req_id: str
-    block_hashes: Sequence[int]
-    num_tokens: int
-    num_prompt_tokens: int
-
-
-_NULL = Block(0)
-_LOCAL = Block(1)
-_LOCAL.block_hash = (0, -1)
-_FRESH = Block(2)
-_REF = {"present": 0, "loading": 1, "pending": -1}
-
-
-def _allocate(layout: Layout, local: int, ext: int) -> tuple[list[list[Block]], list[int]]:
-    """The request's block lists after its first allocation (spec §5.1, as
-    :meth:`sim.model.gpu_cache.GpuKVCache.allocate_new` with ``num_slots = L + E``):
-    per group ``skipped(N) // bs`` null blocks, the local-hit blocks the window
-    still retains (hashed), then fresh unhashed blocks up to ``cdiv(N, bs)``."""
-    n = local + ext
-    lists: list[list[Block]] = []
-    nulls: list[int] = []
-    for spec in layout.groups:
-        bs = spec.tokens_per_block
-        skip = spec.skipped_tokens(n) // bs
-        kept = max(0, local // bs - skip)
-        fresh = max(0, cdiv(n, bs) - skip - kept)
-        lists.append([_NULL] * skip + [_LOCAL] * kept + [_FRESH] * fresh)
-        nulls.append(skip)
-    return lists, nulls
-
-
 def fast_outcomes(fs: CheckCase, logics: Sequence[Logic] = ("old", "new"),
-                  layout: Layout | None = None) -> dict[str, dict[str, Any]]:
-    """The outcome of every logic, equal to :func:`sim.io.check.run_check` on
-    ``fs.to_scenario()`` (see the module docstring)."""
+                  layout: DecisionLayout | None = None) -> dict[str, dict[str, Any]]:
+    """The outcome of every logic (the decision kernel, :func:`sim.io.check.run_check`'s);
+    ``layout``: the kernel's layout of ``fs`` when the caller has it."""
     if layout is None:
-        layout = fs.layout()
-    hpc = layout.hashes_per_chunk
-    ref: dict[OffloadKey, int] = {}
-    uncertain: set[OffloadKey] = set()
-    loading: list[OffloadKey] = []
-    for g, j, st in fs.states:
-        key = ((j + 1) * hpc[g], g)  # hashes are 1, 2, 3, ...: hash i is i + 1
-        if st == "retry":
-            uncertain.add(key)
-        else:
-            ref[key] = _REF[st]
-            if st == "loading":
-                loading.append(key)
-    table = cast(CpuChunkCache, _StateTable(ref, uncertain))
-    n = fs.num_tokens
-    req = _Req("check", range(1, n // fs.tokens_per_hash + 1), n, n)
-    local = fs.gpu_computed_tokens
-    out: dict[str, dict[str, Any]] = {}
-    for logic in logics:
-        sched = OffloadingScheduler(layout, table, profile(logic), prefix_caching=fs.prefix_caching)
-        if loading and sched.being_loaded is not None:
-            sched.being_loaded.update(loading)
-        sched.on_new_request(req)
-        ext = sched.get_num_new_matched_tokens(req, local).tokens
-        res: dict[str, Any] = {
-            "external_tokens": ext, "load_async": False, "load_keys": [],
-            "group_sizes": [], "block_indices": [], "crash": None, "hazards": [],
-        }
-        out[logic] = res
-        if not ext:
-            continue
-        blocks, nulls = _allocate(layout, local, ext)
-        try:
-            plan = sched.update_state_after_alloc(req, blocks, ext, nulls)
-        except ModelledCrashError as exc:
-            res["crash"] = exc.crash.as_dict()
-            plan = exc.attempt
-            if plan is None:
-                continue
-        else:
-            assert plan is not None
-            res["load_async"] = True
-        res["load_keys"] = sorted([g, j] for g, j in plan.chunks)
-        res["group_sizes"] = list(plan.group_sizes)
-        res["block_indices"] = list(plan.block_indices)
-        res["hazards"] = [{"kind": h.kind, "group": h.group, "chunk": h.chunk} for h in plan.hazards]
-    return out
+        layout = decision_layout(fs.groups, fs.tokens_per_hash, fs.blocks_per_chunk)
+    return decide(layout, fs.states, fs.num_tokens, fs.gpu_computed_tokens, fs.prefix_caching, logics)
 
 
 def reference_outcomes(fs: CheckCase, logics: Sequence[Logic] = ("old", "new")
                        ) -> dict[str, dict[str, Any]]:
-    """The same through :func:`sim.io.check.run_check` (validated scenario, real caches)."""
+    """The same through the reference path, :func:`sim.io.check.reference_check`
+    (validated scenario, real caches and scheduler)."""
     case = fs.to_scenario().case()   # through check/1 validation
-    return {logic: run_check(case, logic) for logic in logics}
+    return {logic: reference_check(case, logic) for logic in logics}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -825,12 +689,14 @@ def _search(seed: int, start: int, stop: int, logics: tuple[Logic, ...], verify_
     hits = _Hits()
     rng = random.Random()
     shape: _Shape | None = None
+    dl: DecisionLayout | None = None
     for i in range(start, stop):
         if shape is None or i % _SHARE == 0:
             shape = generate_shape(random.Random(_shape_seed(seed, i)))
+            dl = decision_layout(shape.groups, shape.tokens_per_hash, shape.blocks_per_chunk)
         fs = generate(_rng_for(seed, i, rng), shape)
         try:
-            outs = fast_outcomes(fs, logics, shape.layout)
+            outs = fast_outcomes(fs, logics, dl)
         except Exception as exc:
             hits.add(_error_condition(logics, exc), i, fs)
             continue
@@ -841,10 +707,10 @@ def _search(seed: int, start: int, stop: int, logics: tuple[Logic, ...], verify_
             try:
                 ref = reference_outcomes(fs, logics)
             except Exception as exc:
-                hits.divergences.append((i, f"run_check raised {type(exc).__name__}: {exc}"))
+                hits.divergences.append((i, f"reference_check raised {type(exc).__name__}: {exc}"))
                 continue
             if ref != outs:
-                hits.divergences.append((i, f"fast path {outs} != run_check {ref}"))
+                hits.divergences.append((i, f"kernel {outs} != reference_check {ref}"))
     hits.scanned = stop - start
     hits.cpu_s = time.process_time() - cpu0
     return hits
@@ -958,12 +824,14 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
         try:
             cr.outcomes = reference_outcomes(small, logics)
         except Exception as exc:
-            divergences.append((index, f"run_check raised {type(exc).__name__} on the shrunk case: {exc}"))
-            cr.status = "not written (run_check raised)"
+            divergences.append((index, f"reference_check raised {type(exc).__name__} on the shrunk case: "
+                                       f"{exc}"))
+            cr.status = "not written (reference_check raised)"
             continue
         if condition_of(small, cr.outcomes, logics) != cond:
-            divergences.append((index, f"run_check: another condition on the shrunk case: {cr.outcomes}"))
-            cr.status = "not written (run_check disagrees)"
+            divergences.append((index, "reference_check: another condition on the shrunk case: "
+                                       f"{cr.outcomes}"))
+            cr.status = "not written (reference_check disagrees)"
             continue
         if out is not None:
             cr.path, cr.status = _write_case(out, cr, seed, budget, logics, command)

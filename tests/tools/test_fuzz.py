@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.io.check import CheckCase, load_check_file, parse_check
+from sim.io.check import CheckCase, load_check_file, parse_check, run_check
+from sim.model.decision import decide, decision_layout
 from sim.tools import fuzz
 from sim.tools.fuzz import (
     Condition,
@@ -63,15 +64,28 @@ def test_fast_path_equals_run_check_on_the_library_and_on_shrink_candidates():
 
 
 def test_cross_check_catches_a_diverging_fast_path(monkeypatch):
-    real = fuzz._allocate
+    real = fuzz.decide
 
-    def wrong(layout, local, ext):  # one block too few retained in every group
-        lists, nulls = real(layout, local, ext)
-        return [bl[1:] if len(bl) > 1 else bl for bl in lists], nulls
+    def wrong(*args, **kwargs):  # the load starts one block later in every group
+        outs = real(*args, **kwargs)
+        for o in outs.values():
+            o["block_indices"] = [b + 1 for b in o["block_indices"]]
+        return outs
 
-    monkeypatch.setattr(fuzz, "_allocate", wrong)
+    monkeypatch.setattr(fuzz, "decide", wrong)
     rep = fuzz_decisions(600, 1, jobs=1, verify_every=1)
     assert rep.divergences
+    assert all("reference_check" in d for _, d in rep.divergences)
+
+
+def test_fast_outcomes_is_the_kernel():
+    """fast_outcomes, run_check and kvsim check decide with one kernel (sim.model.decision)."""
+    fs = scenario_at(7, 3)
+    dl = decision_layout(fs.groups, fs.tokens_per_hash, fs.blocks_per_chunk)
+    want = decide(dl, fs.states, fs.num_tokens, fs.gpu_computed_tokens, fs.prefix_caching)
+    assert fast_outcomes(fs) == fast_outcomes(fs, ("old", "new"), dl) == want
+    assert {lg: run_check(fs, lg) for lg in ("old", "new")} == want
+    assert not hasattr(fuzz, "_allocate") and not hasattr(fuzz, "_StateTable")
 
 
 # -- generation, determinism ----------------------------------------------------------------
@@ -151,16 +165,16 @@ def test_findings_are_deduplicated_by_condition_and_written_once(tmp_path: Path)
 
 
 def test_simulator_exceptions_are_findings(tmp_path: Path, monkeypatch):
-    from sim.model.connector import OffloadingScheduler
+    from sim.model import decision
 
-    real = OffloadingScheduler.update_state_after_alloc
+    real = decision._plan
 
-    def broken(self, req, blocks, ext, null_prefix=None):
-        if len(blocks) == 3:
+    def broken(dl, *args):  # a kernel bug on three-group layouts, after the lookup
+        if dl.ng == 3:
             raise KeyError("injected")
-        return real(self, req, blocks, ext, null_prefix)
+        return real(dl, *args)
 
-    monkeypatch.setattr(OffloadingScheduler, "update_state_after_alloc", broken)
+    monkeypatch.setattr(decision, "_plan", broken)
     rep = fuzz_decisions(800, 2, out=tmp_path, jobs=1, verify_every=0)
     bugs = rep.simulator_bugs
     assert bugs and bugs[0].condition.a == "error:KeyError"
