@@ -3,7 +3,9 @@
 Exit codes: 0 success (including runs that record modelled crashes); 1 a failed
 expectation, a violated invariant or a simulator error (with its traceback:
 that is a kvsim bug); 2 bad input, reported as one line
-``kvsim: error: FILE:KEY: problem; allowed: ...``.
+``kvsim: error: FILE:KEY: problem; allowed: ...`` (an ``--out`` that cannot be
+written included); 130 / 143 interrupted by SIGINT / SIGTERM, reported as one
+line ``kvsim: interrupted (SIGINT); ...`` saying what was kept.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tqdm import tqdm
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
 from sim.io.results import RunWriter, summary_table, write_text_atomic
-from sim.io.scenario import load_run, parse_size
+from sim.io.scenario import TORCH_ALLOWED, kvsim_version, load_run, parse_size, torch_missing
 from sim.io.traces import (
     FORMATS,
     KNOWN_TRACES,
@@ -35,18 +37,28 @@ from sim.io.traces import (
     trace_stats,
 )
 from sim.io.validate import validate_file
+from sim.io.workload import request_total
 from sim.tools.compare import compare_runs, compare_table
 from sim.tools.fuzz import COVERAGE, fuzz_decisions, fuzz_runs
 from sim.tools.plots import write_plots
 from sim.tools.regress import library_table, run_library, write_junit
 from sim.tools.replay import replay_check
-from sim.tools.run import execute
+from sim.tools.run import Interrupted, execute, interruptible, signal_name, signal_of
 from sim.tools.sweep import import_ray, read_sweep, run_sweep, sweep_table
 
 __all__ = ["main"]
 
 
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """``"1 point"``, ``"2 points"``, ``"1,024 records"``: a count with its noun in the right number."""
+    return f"{count:,} {noun if count == 1 else plural or noun + 's'}"
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0, 1 on a mismatch or a batch item that is not a valid scenario, 2 on bad input."""
+    if args.copy_path and torch_missing():
+        raise InputError("check", "--copy-path", "torch is not installed (the copy path needs it)",
+                         TORCH_ALLOWED)
     path = Path(args.file)
     batch, items = load_check_file(path, jsonl=args.jsonl)
     results: list[Any] = []
@@ -61,6 +73,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             if not batch:
                 raise
             results.append({"error": str(exc)})
+            failed = True  # every item is still reported; the batch fails at the end
+            if not (args.json or args.jsonl):
+                print(f"{source} ERROR {exc}")
             continue
         if args.logic:
             sc = sc.model_copy(update={"window_logic": args.logic})
@@ -72,19 +87,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
         result: Any = outcomes if len(outcomes) > 1 else next(iter(outcomes.values()))
         results.append(result)
         if not (args.json or args.jsonl):
-            name = sc.name or source
-            for logic, out in outcomes.items():
-                verdict = "MISMATCH" if logic in mismatches else (
-                    "ok" if logic in sc.expect else "(no expectation)")
-                print(f"{name} [{logic}] {summarize(out)}  {verdict}")
-                for d in mismatches.get(logic, []):
-                    print(f"    {d}")
+            _print_outcomes(sc.name or source, outcomes, mismatches, sc.expect)
     if args.jsonl:
         for r in results:
             print(json.dumps(r))
     elif args.json:
         print(json.dumps(results if batch else results[0], indent=None if batch else 2))
     return 1 if failed else 0
+
+
+def _print_outcomes(name: str, outcomes: dict[str, Any], mismatches: dict[str, list[str]],
+                    expect: Any) -> None:
+    for logic, out in outcomes.items():
+        verdict = "MISMATCH" if logic in mismatches else ("ok" if logic in expect else "(no expectation)")
+        print(f"{name} [{logic}] {summarize(out)}  {verdict}")
+        for d in mismatches.get(logic, []):
+            print(f"    {d}")
 
 
 def _replays(sc: Any, source: str, quiet: bool) -> dict[str, Any]:
@@ -114,6 +132,9 @@ def _cmd_regress(args: argparse.Namespace) -> int:
     if not results:
         raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
     print(library_table(results, root))
+    for r in results:
+        if r.error is not None and r.bad_input:
+            print(f"kvsim: error: {r.error}", file=sys.stderr)
     if args.junit:
         write_junit(results, Path(args.junit))
     return 0 if all(r.ok for r in results) else 1
@@ -156,7 +177,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     quiet = args.quiet or not sys.stderr.isatty()
     bar = None
     if not quiet:
-        bar = tqdm(total=spec.expected_requests, unit="req", desc=spec.name, file=sys.stderr,
+        # the total (and so an ETA) is known for generators and limited traces
+        bar = tqdm(total=request_total(spec), unit="req", desc=spec.name, file=sys.stderr,
                    dynamic_ncols=True)
 
     def progress(finished: int, sim_time_s: float) -> None:
@@ -164,16 +186,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"sim {sim_time_s:.1f} s", refresh=False)
             bar.update(finished - bar.n)
 
+    previous = writer.has_previous
     try:
-        outcome = execute(spec, writer, progress=progress, argv=sys.argv)
+        with interruptible():
+            outcome = execute(spec, writer, progress=progress, argv=sys.argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, never a traceback
+        if bar is not None:
+            bar.close()
+        kept = [f"partial run kept in {writer.published}"] if writer.published is not None else []
+        if previous:
+            kept.append(f"previous {target} kept")
+        print(f"kvsim: interrupted ({signal_name(signal_of(exc))}); "
+              f"{'; '.join(kept) or f'nothing written to {target}'}", file=sys.stderr)
+        return 128 + signal_of(exc)
     finally:
         if bar is not None:
             bar.close()
     if outcome.status != "ok":
         err = outcome.error
-        if err is not None:
+        if err is not None:  # a simulator error: a kvsim bug, with its traceback
             traceback.print_exception(err, file=sys.stderr)
-        print(f"kvsim: run failed; summary written to {outcome.folder}", file=sys.stderr)
+        print(f"kvsim: run failed; summary written to {outcome.folder}"
+              f"{f'; previous {target} kept' if outcome.folder != target else ''}", file=sys.stderr)
         return 1
     print(summary_table(outcome.summary, outcome.folder))
     if args.plots:
@@ -184,15 +218,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     quiet = args.quiet or not sys.stderr.isatty()
-    result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
-                          progress=not quiet, overwrite=args.overwrite,
-                          verify_reproducers=args.verify_reproducers, argv=sys.argv)
+    try:
+        with interruptible():
+            result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
+                                  progress=not quiet, overwrite=args.overwrite,
+                                  verify_reproducers=args.verify_reproducers, argv=sys.argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the workers are stopped; one line
+        kept = exc.kept if isinstance(exc, Interrupted) and exc.kept else "nothing written"
+        print(f"kvsim: interrupted ({signal_name(signal_of(exc))}); {kept}", file=sys.stderr)
+        return 128 + signal_of(exc)
     print(compare_table(result.figures, result.path))
     if result.status != "ok":
         for logic, tb in result.errors.items():
             print(f"kvsim: the {logic.upper()} run failed:", file=sys.stderr)
             print(tb, file=sys.stderr, end="")
-        print(f"kvsim: a run failed; compare written to {result.path}", file=sys.stderr)
+        print(f"kvsim: a run failed; compare written to {result.path}"
+              f"{f'; previous {result.kept} kept' if result.kept is not None else ''}", file=sys.stderr)
         return 1
     return 0
 
@@ -286,7 +327,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     n, size = convert_trace(args.src, args.dst, args.src_format, args.dst_format, skip_bad=args.skip_bad,
                             bad=bad, block_tokens=args.block_tokens, overwrite=args.force)
     _report_bad(bad)
-    print(f"wrote {n:,} records to {args.dst}")
+    print(f"wrote {_n(n, 'record')} to {args.dst}")
     if size is not None and size != MOONCAKE_BLOCK_TOKENS:
         print(f"kvsim: note: {args.dst} uses {size}-token blocks; read it with --block-tokens {size}",
               file=sys.stderr)
@@ -387,9 +428,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     print(rep.table())
     print()
     written = sum(c.status == "written" for c in rep.conditions)
-    print(f"kvsim fuzz: {rep.scanned} scenarios in {rep.search_s:.2f} s wall with {rep.jobs} jobs: "
-          f"{rep.rate:,.0f} scenarios/s wall ({rep.cpu_rate:,.0f} per CPU second of one process); "
-          f"{rep.findings} findings in {len(rep.conditions)} conditions")
+    print(f"kvsim fuzz: {_n(rep.scanned, 'scenario')} in {rep.search_s:.2f} s wall with "
+          f"{_n(rep.jobs, 'job')}: {rep.rate:,.0f} scenarios/s wall ({rep.cpu_rate:,.0f} per CPU second of "
+          f"one process); {_n(rep.findings, 'finding')} in {_n(len(rep.conditions), 'condition')}")
     print(f"kvsim fuzz: files: {written} written, "
           f"{sum(c.status == 'unchanged' for c in rep.conditions)} unchanged, "
           f"{sum(c.status == 'kept existing' for c in rep.conditions)} kept existing, in {out}; "
@@ -426,8 +467,8 @@ def _cmd_runs(args: argparse.Namespace, command: str) -> int:
     cov = ", ".join(f"{name} {rep.coverage.get(f'old:{name}', 0)}/{rep.coverage.get(f'new:{name}', 0)}"
                     for name in COVERAGE)
     print(f"kvsim fuzz: simulations (OLD/NEW) with {cov}")
-    print(f"kvsim fuzz: {rep.runs} runs ({rep.simulations} simulations, OLD and NEW) in {rep.wall_s:.2f} s "
-          f"wall: {rep.rate:.1f} runs/s; {len(rep.findings)} distinct findings")
+    print(f"kvsim fuzz: {_n(rep.runs, 'run')} ({_n(rep.simulations, 'simulation')}, OLD and NEW) in "
+          f"{rep.wall_s:.2f} s wall: {rep.rate:.1f} runs/s; {_n(len(rep.findings), 'distinct finding')}")
     return 1 if rep.findings else 0
 
 
@@ -471,7 +512,8 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--out", metavar="DIR", help="the sweep folder (default: results/<name>, --smoke: "
                    "results/<name>-smoke)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace point folders that no longer match the sweep")
+                   help="start over where points no longer match the sweep (the previous folder is "
+                        "kept aside until the new sweep completes)")
     p.add_argument("--smoke", action="store_true", help="the [smoke] version: few points, small runs")
     add_override_options(p, "a key of the base scenario", seed=False)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -494,7 +536,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     def on_start(skipped: int, todo: int) -> None:
         nonlocal bar
         where = f"Ray{' at ' + args.address if args.address else ''}" if args.backend == "ray" else "local"
-        print(f"kvsim sweep: {len(sweep.points)} points{' (smoke)' if sweep.smoke else ''}: "
+        print(f"kvsim sweep: {_n(len(sweep.points), 'point')}{' (smoke)' if sweep.smoke else ''}: "
               f"{skipped} skipped (finished earlier), {todo} to run ({where}) -> {out}", file=sys.stderr)
         if not quiet and todo:
             bar = tqdm(total=todo, unit="pt", desc=sweep.name, file=sys.stderr, dynamic_ncols=True)
@@ -503,16 +545,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(n - bar.n)
 
+    def on_failed(run_id: str, reason: str) -> None:
+        line = f"kvsim sweep: point {run_id} failed: {reason}"
+        if bar is not None:
+            bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
     try:
         report = run_sweep(sweep, out, jobs=args.jobs, backend=args.backend, address=args.address,
-                           overwrite=args.overwrite, progress=progress, on_start=on_start, argv=sys.argv)
+                           overwrite=args.overwrite, progress=progress, on_start=on_start,
+                           on_failed=on_failed, argv=sys.argv)
     finally:
         if bar is not None:
             bar.close()
     print(sweep_table(sweep, report))
     if report.interrupted is not None:
-        print(f"kvsim sweep: interrupted; {len(report.summaries)} of {len(sweep.points)} points in "
-              f"{report.out / 'sweep.parquet'}; run the same command again to finish", file=sys.stderr)
+        kept = f"; previous sweep kept in {report.previous}" if report.previous is not None else ""
+        print(f"kvsim sweep: interrupted; {len(report.summaries)} of {_n(len(sweep.points), 'point')} in "
+              f"{report.out / 'sweep.parquet'}; run the same command again to finish{kept}", file=sys.stderr)
         return 128 + int(report.interrupted)
     if report.failed:
         print(f"kvsim sweep: {len(report.failed)} point(s) failed: {', '.join(report.failed[:5])}"
@@ -525,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsim",
         description="Simulator of vLLM's multi-group KV-cache CPU offloading (OLD 0.29 vs NEW 0.30).")
+    parser.add_argument("--version", action="version", version=f"kvsim {kvsim_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="one request's lookup + allocation + load plan (check/1 file)")
@@ -538,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("regress", help="run the crash regression library")
-    p.add_argument("dir", nargs="?", default="scenarios/crash", help="folder of check/1 files")
+    p.add_argument("dir", nargs="?", default="scenarios/crash",
+                   help="folder of check/1 files (default: %(default)s, the shipped crash library)")
     p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
                    help="worker processes (default: CPU count); results keep file-name order")
@@ -555,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="run a scenario under OLD and NEW logic and compare (same seed)")
     p.add_argument("scenario", help="run/1 scenario TOML (its window_logic is replaced per run)")
-    p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>/compare)")
+    p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>-compare)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty compare folder")
     add_override_options(p)
     p.add_argument("--jobs", type=int, default=2, choices=[1, 2],
@@ -566,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
-    p.add_argument("files", nargs="+", metavar="FILE", help="run/1, model/1, hardware/1 or check/1 files")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="run/1, model/1, hardware/1, check/1 or sweep/1 files (by their schema key)")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("calibrate", help="measure copy bandwidth of the torch copy path (needs torch)")
@@ -596,6 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"kvsim: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C anywhere else: one line, no traceback
+        print(f"kvsim: interrupted ({signal_name(signal_of(exc))})", file=sys.stderr)
+        return 128 + signal_of(exc)
     except BrokenPipeError:
         # the reader went away (`kvsim check --json ... | head`): stop quietly, as cat does;
         # stdout is pointed at devnull so the interpreter's final flush cannot raise again

@@ -9,6 +9,12 @@ import pytest
 
 from tests.helpers import TRACES
 
+# Scenarios that name a trace (trace = "mooncake-conversation") look in $KVSIM_TRACES first:
+# point it at the shared traces for every test (and the kvsim subprocesses they start) when
+# the folder is there and nothing else was chosen. Tests of the lookup itself set it themselves.
+if TRACES.is_dir():
+    os.environ.setdefault("KVSIM_TRACES", str(TRACES))
+
 
 @pytest.fixture
 def traces_dir() -> Path:

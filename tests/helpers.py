@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,10 @@ from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.windows import profile
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACES = ROOT.parent / "shared" / "traces"
+#: the public traces: $KVSIM_TRACES (what scenarios naming a trace read; .ci/run sets it),
+#: else the shared folder next to the repository
+TRACES = Path(os.environ["KVSIM_TRACES"]) if os.environ.get("KVSIM_TRACES") else \
+    ROOT.parent / "shared" / "traces"
 
 
 def fa(bs: int, eagle: bool = False) -> GroupSpec:

@@ -10,10 +10,28 @@ What it does
     onto the target at the end. :func:`load_results` reads a folder back as
     pandas DataFrames.
 
+Life cycle (every command that writes a folder: run, compare, sweep, plot)
+    * work happens in a hidden temporary folder beside the target
+      (``.<name>.tmp-<pid>``); the target appears, or is replaced, by rename
+      (:func:`move_into_place`) only when the work is done;
+    * a good result is never destroyed: a run that fails or is interrupted
+      while a previous result sits at the target (``--overwrite``) is kept
+      beside it as ``<name>.failed`` or ``<name>.interrupted`` (replacing an
+      earlier folder of that name), and the target is left as it was; with no
+      previous result it goes to the target itself, its ``summary.json``
+      saying ``"failed"`` or ``"interrupted"``;
+    * hidden leftovers of processes that no longer exist (``.<name>.tmp-<pid>``,
+      ``.<name>.old-<pid>``, ``.<name>.previous-<pid>``) are removed by the next
+      writer into the same folder (:func:`clean_leftovers`); an aside folder
+      whose target is missing (a swap killed half-way) is put back instead;
+    * an output that cannot be written (read-only, full, not a folder) is bad
+      input: :func:`out_error` makes it one ``--out`` line, and what was
+      started is removed.
+
 Folder (DESIGN.md, "Results folder")::
 
     requests.parquet steps.parquet transfers.parquet occupancy.parquet events.parquet
-    summary.json     status "ok" | "failed", and the run's figures
+    summary.json     status "ok" | "failed" | "interrupted", and the run's figures
     scenario.toml    the resolved scenario (kvsim version and seed included)
     run_info.json    wall-clock time, host, versions, argv: the one file that may
                      differ between two runs of the same scenario and seed
@@ -35,9 +53,11 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tomllib
 from dataclasses import dataclass
@@ -59,9 +79,17 @@ __all__ = [
     "RunResults",
     "RunWriter",
     "arrow_schema",
+    "clean_leftovers",
     "load_results",
+    "make_folder",
+    "move_into_place",
+    "out_error",
+    "pid_alive",
+    "remove_created",
     "summary_table",
+    "temp_beside",
     "write_json_atomic",
+    "write_text_atomic",
 ]
 
 #: metrics column type -> (arrow type name, nullable)
@@ -95,6 +123,8 @@ class ParquetSink:
         self.folder = Path(folder)
         self._writers: dict[str, Any] = {}
         self._closed = False
+        #: the first ``OSError`` of a write or close (a full disk): the output failed, not the run
+        self.error: OSError | None = None
 
     def _writer(self, table: str) -> Any:
         w = self._writers.get(table)
@@ -109,16 +139,24 @@ class ParquetSink:
             raise RuntimeError("ParquetSink is closed")
         schema = arrow_schema(table)
         batch = pa.RecordBatch.from_pydict({n: columns[n] for n in schema.names}, schema=schema)
-        self._writer(table).write_batch(batch)
+        try:
+            self._writer(table).write_batch(batch)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
     def close(self) -> None:
         """Close every writer; tables that got no rows are written empty, with their schema."""
         if self._closed:
             return
-        for table in TABLES:
-            self._writer(table)
-        for w in self._writers.values():
-            w.close()
+        try:
+            for table in TABLES:
+                self._writer(table)
+            for w in self._writers.values():
+                w.close()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self._closed = True
 
 
@@ -145,19 +183,130 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def move_into_place(tmp: Path, target: Path) -> None:
     """Rename a finished temporary folder onto ``target``; an existing (overwritten)
-    target is moved aside first and removed after, so ``target`` is never half written."""
+    target is moved aside first and removed after, so ``target`` is never half written.
+
+    The aside folder is ``.<name>.old-<pid>``: if the process dies between the
+    two renames, :func:`clean_leftovers` puts it back.
+    """
     old: Path | None = None
     if target.exists():
-        if any(target.iterdir()):
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
+        if target.is_dir() and any(target.iterdir()):
+            old = temp_beside(target, "old")
             if old.exists():
                 shutil.rmtree(old)
             target.rename(old)
-        else:
+        elif target.is_dir():
             target.rmdir()
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except BaseException:
+        if old is not None and not target.exists():
+            old.rename(target)  # put the previous result back
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# -- the life cycle of output folders ------------------------------------------------------------
+
+#: hidden leftovers of a writer: ``.<name>.tmp-<pid>``, ``.<name>.old-<pid>``, ``.<name>.previous-<pid>``
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|previous)-(?P<pid>\d+)$")
+
+
+def temp_beside(target: Path, kind: str = "tmp") -> Path:
+    """The hidden folder (or file) of this process beside ``target``: ``.<name>.<kind>-<pid>``."""
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this host)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def clean_leftovers(folder: Path) -> list[Path]:
+    """Remove the hidden leftovers of dead processes in ``folder`` (one level, not below).
+
+    A leftover is ``.<name>.tmp-<pid>`` (a temporary folder or file),
+    ``.<name>.old-<pid>`` (a previous result moved aside during a swap) or
+    ``.<name>.previous-<pid>`` (a previous sweep kept aside while the new one
+    runs) whose process no longer exists. An ``old`` or ``previous`` folder
+    whose ``<name>`` is missing (the process died between the two renames of
+    a swap) is renamed back to ``<name>`` instead of removed. Leftovers of
+    live processes (this one included) are left alone. Errors are ignored:
+    cleaning up never stops a command.
+
+    Returns:
+        the leftovers removed or put back.
+    """
+    out: list[Path] = []
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return out
+    for entry in entries:
+        m = _LEFTOVER.match(entry.name)
+        if m is None or pid_alive(int(m["pid"])):
+            continue
+        home = entry.parent / m["name"]
+        with contextlib.suppress(OSError):
+            if m["kind"] in ("old", "previous") and entry.is_dir() and not home.exists():
+                entry.rename(home)
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            out.append(entry)
+    return out
+
+
+def out_error(path: Path | str, exc: OSError) -> InputError:
+    """An output that cannot be written, as one line of bad input (``--out``)."""
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else "") or str(exc) or type(exc).__name__
+    return InputError("argument", "--out", f"{path}: {reason}", "a writable folder (with free space)")
+
+
+def make_folder(folder: Path, out: Path | None = None) -> list[Path]:
+    """Create ``folder`` and its missing parents; return the ones created, innermost first.
+
+    Raises:
+        InputError: it cannot be created (read-only, a file in the way, no
+            permission); nothing is left created then. ``out`` names the
+            output in the message (default ``folder``).
+    """
+    created: list[Path] = []
+    p = Path(folder)
+    while not p.exists() and not p.is_symlink():
+        created.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        remove_created(created)
+        raise out_error(out if out is not None else folder, exc) from None
+    except BaseException:
+        remove_created(created)
+        raise
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Remove the folders :func:`make_folder` created (innermost first), as far as they are empty."""
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:
+            if p.exists():
+                break
 
 
 def clean_floats(data: Any) -> Any:
@@ -174,16 +323,27 @@ def clean_floats(data: Any) -> Any:
 class RunWriter:
     """Writes one run folder through a temporary folder beside it.
 
+    Where the folder goes (see "Life cycle" above): an ok run replaces the
+    target; a failed or interrupted run goes to the target when the target
+    held nothing, else beside it as ``<name>.failed`` / ``<name>.interrupted``
+    (the previous result stays as it was).
+
     Args:
         target: the run folder (``results/<name>``).
         overwrite: replace an existing non-empty target.
+        aside: keep a failed or interrupted run beside a previous result
+            (False: it replaces the target, as a sweep's point folders do).
+        clean: remove leftovers of dead processes beside the target when
+            starting (False where another process may be writing there from
+            another host, as a sweep's points with Ray: the sweep cleans them).
 
     Raises:
         InputError: the target is a file, or a non-empty folder and ``overwrite``
             is false. Nothing is created then.
     """
 
-    def __init__(self, target: Path, overwrite: bool = False) -> None:
+    def __init__(self, target: Path, overwrite: bool = False, *, aside: bool = True,
+                 clean: bool = True) -> None:
         self.target = Path(target)
         t = self.target
         if t.exists() and not t.is_dir():
@@ -192,38 +352,81 @@ class RunWriter:
             raise InputError(str(t), "", "results folder exists and is not empty",
                              "a new or empty folder, or --overwrite")
         self.overwrite = overwrite
-        self.folder = t.parent / f".{t.name}.tmp-{os.getpid()}"
+        self.aside = aside
+        self.clean = clean
+        self.folder = temp_beside(t)
+        #: where :meth:`finish` put the folder (None until then)
+        self.published: Path | None = None
         self._done = False
 
+    @property
+    def has_previous(self) -> bool:
+        """The target holds a previous result (a non-empty folder)."""
+        t = self.target
+        try:
+            return t.is_dir() and any(t.iterdir())
+        except OSError:
+            return False
+
     def start(self) -> Path:
-        """Create the temporary folder (and the target's parents); return it."""
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        if self.folder.exists():
-            shutil.rmtree(self.folder)
-        self.folder.mkdir()
+        """Create the temporary folder (and the target's parents); return it.
+
+        Raises:
+            InputError: it cannot be created (``--out`` not writable).
+        """
+        created = make_folder(self.target.parent, self.target)
+        if self.clean:
+            clean_leftovers(self.target.parent)
+        try:
+            if self.folder.exists():
+                shutil.rmtree(self.folder)
+            self.folder.mkdir()
+        except OSError as exc:
+            remove_created(created)  # nothing is left half made
+            raise out_error(self.target, exc) from None
         return self.folder
+
+    def destination(self, status: str) -> Path:
+        """Where a folder of this status goes (see the class docstring)."""
+        if status == "ok" or not self.aside or not self.has_previous:
+            return self.target
+        return self.target.parent / f"{self.target.name}.{status}"
 
     def finish(self, status: str, summary: dict[str, Any], scenario_toml: str,
                run_info: dict[str, Any]) -> Path:
-        """Write the summary files and move the folder onto the target.
+        """Write the summary files and move the folder into place.
 
         Args:
-            status: ``"ok"`` or ``"failed"``.
+            status: ``"ok"``, ``"failed"`` or ``"interrupted"``.
             summary: the figures (and ``error`` when failed); ``status`` is added.
             scenario_toml: the resolved scenario.
             run_info: wall-clock facts (the one file allowed to differ between runs).
 
         Returns:
-            The target folder.
+            The folder written: the target, or ``<target>.<status>`` beside a
+            previous result (see the class docstring).
+
+        Raises:
+            InputError: the folder cannot be written (disk full, read-only);
+                the temporary folder is removed and the target left as it was.
         """
         if not self.folder.is_dir():
             self.start()
-        write_text_atomic(self.folder / "scenario.toml", scenario_toml)
-        write_json_atomic(self.folder / "run_info.json", clean_floats(run_info))
-        write_json_atomic(self.folder / "summary.json", clean_floats({**summary, "status": status}))
-        move_into_place(self.folder, self.target)
+        dest = self.destination(status)
+        try:
+            write_text_atomic(self.folder / "scenario.toml", scenario_toml)
+            write_json_atomic(self.folder / "run_info.json", clean_floats(run_info))
+            write_json_atomic(self.folder / "summary.json", clean_floats({**summary, "status": status}))
+            move_into_place(self.folder, dest)
+        except OSError as exc:
+            self.abort()
+            raise out_error(self.target, exc) from None
+        except BaseException:
+            self.abort()
+            raise
         self._done = True
-        return self.target
+        self.published = dest
+        return dest
 
     def abort(self) -> None:
         """Remove the temporary folder (bad input found after the start: nothing is left)."""
@@ -298,13 +501,16 @@ def _pct(value: Any) -> str:
 
 
 def _ms(value: Any) -> str:
-    return "-" if value is None else f"{1000 * value:.1f} ms"
+    """A duration: in ms below 10 s, in s from 10 s on (as the figures)."""
+    if value is None:
+        return "-"
+    return f"{value:.2f} s" if value >= 10 else f"{1000 * value:.1f} ms"
 
 
 def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> str:
     """The figures of ``summary.json`` as plain aligned text."""
-    if summary.get("status") == "failed":
-        rows = [("status", "FAILED"), ("error", str(summary.get("error")))]
+    if summary.get("status") in ("failed", "interrupted"):
+        rows = [("status", str(summary["status"]).upper()), ("error", str(summary.get("error")))]
     else:
         req, tr = summary["requests"], summary["transfers"]
         ttft, tpot, thr = summary["ttft_s"], summary["tpot_s"], summary["throughput"]

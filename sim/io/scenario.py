@@ -32,7 +32,9 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
                           offload_prompt_only (true), offloading (true), fast_forward (true)
     [workload]            kind = "multiturn" (the default; MultiTurnParams fields, limit)
-                          | "mooncake" (path, limit, time_scale (1.0), block_tokens (512))
+                          | "mooncake" (path, or trace = a published trace's name, found in
+                          $KVSIM_TRACES then the fetch cache; limit, time_scale (1.0),
+                          block_tokens (512))
     [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
                           decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
                           tensor_parallel (1)
@@ -60,33 +62,46 @@ Derived quantities (documented simplifications)
       workers (1 when every group is MLA: replicated single copy).
     * **Tensor parallelism** shards the KV heads: a worker holds
       ``max(1, kv_heads // tensor_parallel)`` heads (MLA: 1), so bytes per
-      block, transfer sizes and the GPU pool are per worker.
+      block, transfer sizes and the GPU pool are per worker. As in vLLM,
+      ``tensor_parallel`` must divide every non-MLA group's ``kv_heads``, or be
+      a multiple of it (the heads are then replicated); anything else is an error.
+    * **Limits.** Sizes and counts beyond the fixed limits of
+      :mod:`sim.io.schema` (``MAX_BYTES`` = 2**60 B, ``MAX_GPU_BLOCKS``,
+      ``MAX_CPU_CHUNKS``, ``MAX_REQUESTS``, ``MAX_TOKENS``; also when derived,
+      e.g. the GPU blocks of ``gpu_kv_bytes``) are refused at validation.
+    * **Copy path.** ``copy_path.enabled = true`` needs torch; without it the
+      scenario is refused at validation (``pip install 'kvsim[torch]'``).
     * **Resolved scenario** (:meth:`RunSpec.resolved_toml`, the results
       folder's ``scenario.toml``): every default filled in, the model inlined
       (``label`` = its name), hardware values explicit, sizes in bytes, the
-      step model as its four numbers, the trace path absolute. Loading it
-      gives the same engine configuration and request stream.
+      step model as its four numbers, the trace path absolute (a trace named
+      by ``trace``: its name and the content's ``sha256``, the same on every
+      machine; loading checks the digest). Loading it gives the same engine
+      configuration and request stream.
     * **Overrides.** ``--set a.b=v`` parses ``v`` as a TOML value (a bare
       string if that fails) and sets it before validation. Setting one key of
       an exclusive pair (``cpu_cache.capacity``/``chunks``,
       ``hardware.gpu_kv_bytes``/``gpu_blocks``, ``model.name``/``path``/
-      ``groups``) drops the other one given in the file.
+      ``groups``) drops the other one given in the file. An error about a key
+      set this way (or inside a table set this way) names the option
+      (``--set:KEY: ...``), not the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import tomli_w
 from pydantic import (
@@ -101,8 +116,26 @@ from pydantic import (
 
 from sim.engine.loop import CopyPathConfig, EngineConfig
 from sim.errors import InputError
-from sim.io.schema import GroupEntry, Strict
-from sim.io.traces import BadLines, detect_format
+from sim.io.schema import (
+    MAX_BYTES,
+    MAX_CPU_CHUNKS,
+    MAX_GPU_BLOCKS,
+    MAX_INT64,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    WHY_BYTES,
+    WHY_CPU_CHUNKS,
+    WHY_GPU_BLOCKS,
+    WHY_INT64,
+    WHY_REQUESTS,
+    WHY_TOKENS,
+    GroupEntry,
+    ProblemError,
+    Strict,
+    Tokens,
+    at_most,
+)
+from sim.io.traces import BadLines, detect_format, resolve_trace, trace_digest
 from sim.io.workload import (
     AGENTIC,
     MultiTurnParams,
@@ -111,6 +144,7 @@ from sim.io.workload import (
     iter_multiturn,
     iter_trace,
     iter_uniform,
+    request_total,
     sample,
     scale_rate,
     take,
@@ -170,14 +204,15 @@ BANDWIDTH_ALLOWED = ('bytes per second as a number, or a string with a unit, e.g
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-class _ProblemError(ValueError):
-    """A validation problem with its own wording; ``key`` is appended to the location."""
+_ProblemError = ProblemError
 
-    def __init__(self, problem: str, allowed: str, key: str = "") -> None:
-        super().__init__(f"{problem}; allowed: {allowed}")
-        self.problem = problem
-        self.allowed = allowed
-        self.key = key
+
+def _bounded(value: object, n: int) -> int:
+    if n > MAX_BYTES:
+        raise _ProblemError(
+            f"{value!r} is beyond the limit of {MAX_BYTES:,} B (2**60 B = 1 EiB; {WHY_BYTES})",
+            f"at most {MAX_BYTES:,} B")
+    return n
 
 
 def _parse_units(value: object, *, per_second: bool) -> int:
@@ -185,9 +220,9 @@ def _parse_units(value: object, *, per_second: bool) -> int:
     if isinstance(value, bool):
         raise _ProblemError(f"{value!r} is not a size", allowed)
     if isinstance(value, int):
-        return value
+        return _bounded(value, value)
     if isinstance(value, float) and per_second and math.isfinite(value):
-        return int(value)
+        return _bounded(value, int(value))
     if not isinstance(value, str):
         raise _ProblemError(f"{value!r} is not a size", allowed)
     text = value.strip()
@@ -202,14 +237,15 @@ def _parse_units(value: object, *, per_second: bool) -> int:
         number = Decimal(m.group(1))
     except InvalidOperation:  # pragma: no cover - the pattern only admits decimals
         raise _ProblemError(f"{value!r} is not a size", allowed) from None
-    return int(number * (_UNITS[unit] if unit else 1))
+    return _bounded(value, int(number * (_UNITS[unit] if unit else 1)))
 
 
 def parse_size(value: object) -> int:
     """Bytes from an int or a string such as ``"64GiB"`` (= 64 x 2**30) or ``"500MB"`` (= 5e8).
 
     Raises:
-        ValueError: the value is not a size (the message names the allowed units).
+        ValueError: the value is not a size (the message names the allowed units), or
+            it is beyond :data:`~sim.io.schema.MAX_BYTES`.
     """
     return _parse_units(value, per_second=False)
 
@@ -218,7 +254,7 @@ def parse_bandwidth(value: object) -> int:
     """Bytes per second from a number or a string such as ``"55GB/s"`` or ``"55GB"``.
 
     Raises:
-        ValueError: the value is not a bandwidth.
+        ValueError: the value is not a bandwidth, or beyond :data:`~sim.io.schema.MAX_BYTES` per second.
     """
     return _parse_units(value, per_second=True)
 
@@ -235,6 +271,11 @@ def human_bytes(n: float) -> str:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 Bandwidth = Annotated[int, BeforeValidator(parse_bandwidth)]
+#: counts with a documented limit (:mod:`sim.io.schema`)
+GpuBlocks = Annotated[int, at_most(MAX_GPU_BLOCKS, "GPU blocks", WHY_GPU_BLOCKS)]
+CpuChunks = Annotated[int, at_most(MAX_CPU_CHUNKS, "chunks", WHY_CPU_CHUNKS)]
+Requests = Annotated[int, at_most(MAX_REQUESTS, "", WHY_REQUESTS)]
+TokensMean = Annotated[float, at_most(MAX_TOKENS, "tokens", WHY_TOKENS)]
 
 
 def _check_dtype(value: object) -> object:
@@ -318,7 +359,8 @@ class HardwareSection(Strict):
     profile: str = Field(default="h200",
                          description="scenarios/hardware/<name>.toml, or a path to a hardware/1 file")
     gpu_kv_bytes: Size | None = Field(default=None, gt=0, description="HBM bytes given to the KV cache")
-    gpu_blocks: int | None = Field(default=None, ge=2, description="GPU block pool size, null block included")
+    gpu_blocks: GpuBlocks | None = Field(default=None, ge=2,
+                                         description="GPU block pool size, null block included")
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     h2d_bandwidth: Bandwidth | None = Field(default=None, gt=0)
     d2h_bandwidth: Bandwidth | None = Field(default=None, gt=0)
@@ -335,7 +377,7 @@ class CpuCacheSection(Strict):
     """``[cpu_cache]``: the CPU chunk cache."""
 
     capacity: Size | None = Field(default=None, ge=0, description="host bytes for all workers")
-    chunks: int | None = Field(default=None, ge=0, description="capacity in chunk slots")
+    chunks: CpuChunks | None = Field(default=None, ge=0, description="capacity in chunk slots")
     policy: Literal["lru", "arc"] = Field(default="lru", description="eviction policy")
 
     @model_validator(mode="after")
@@ -347,13 +389,13 @@ class CpuCacheSection(Strict):
 class SchedulerSection(Strict):
     """``[scheduler]``: vLLM scheduler and connector options."""
 
-    max_num_batched_tokens: int = Field(default=8192, gt=0, description="token budget per step")
-    max_num_seqs: int = Field(default=256, gt=0, description="running requests at most")
+    max_num_batched_tokens: Tokens = Field(default=8192, gt=0, description="token budget per step")
+    max_num_seqs: Requests = Field(default=256, gt=0, description="running requests at most")
     prefix_caching: bool = Field(default=True, description="GPU prefix caching")
-    blocks_per_chunk: int = Field(default=1, gt=0,
-                                  description="GPU blocks per offload chunk (vLLM default 1)")
-    tokens_per_hash: int = Field(default=16, gt=0,
-                                 description="hash block in tokens; divides every block size")
+    blocks_per_chunk: GpuBlocks = Field(default=1, gt=0,
+                                        description="GPU blocks per offload chunk (vLLM default 1)")
+    tokens_per_hash: Tokens = Field(default=16, gt=0,
+                                    description="hash block in tokens; divides every block size")
     offload_prompt_only: bool = Field(default=True, description="store prompt chunks only")
     offloading: bool = Field(default=True, description="false: no connector, no CPU cache")
     fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
@@ -364,7 +406,7 @@ class SchedulerSection(Strict):
 class _Transforms(Strict):
     """Keys every workload takes: how many requests and how dense."""
 
-    limit: int | None = Field(default=None, gt=0, description="requests at most")
+    limit: Requests | None = Field(default=None, gt=0, description="requests at most")
     rate_scale: float = Field(default=1.0, gt=0, description="arrivals this many times as dense")
     sample: float = Field(default=1.0, gt=0, le=1,
                           description="keep each request with this probability (seeded by its id)")
@@ -378,22 +420,23 @@ class MultiTurnWorkload(_Transforms):
     """
 
     kind: Literal["multiturn", "agentic"]
-    sessions: int | None = Field(default=None, gt=0, description="number of sessions")
+    sessions: Requests | None = Field(default=None, gt=0, description="number of sessions")
     session_rate_per_s: float | None = Field(default=None, gt=0, description="session arrival rate")
     turns_mean: float | None = Field(default=None, gt=0, description="mean turns per session")
-    turns_max: int | None = Field(default=None, gt=0, description="turns per session at most")
-    system_prompt_tokens: int | None = Field(default=None, ge=0, description="shared system prompt")
-    first_user_tokens_mean: float | None = Field(default=None, gt=0,
-                                                 description="mean first user message, tokens")
-    followup_user_tokens_mean: float | None = Field(default=None, gt=0,
-                                                    description="mean follow-up message, tokens")
-    output_tokens_mean: float | None = Field(default=None, gt=0, description="mean answer length, tokens")
-    max_context_tokens: int | None = Field(default=None, gt=0, description="a session ends beyond this")
+    turns_max: Requests | None = Field(default=None, gt=0, description="turns per session at most")
+    system_prompt_tokens: Tokens | None = Field(default=None, ge=0, description="shared system prompt")
+    first_user_tokens_mean: TokensMean | None = Field(default=None, gt=0,
+                                                      description="mean first user message, tokens")
+    followup_user_tokens_mean: TokensMean | None = Field(default=None, gt=0,
+                                                         description="mean follow-up message, tokens")
+    output_tokens_mean: TokensMean | None = Field(default=None, gt=0,
+                                                  description="mean answer length, tokens")
+    max_context_tokens: Tokens | None = Field(default=None, gt=0, description="a session ends beyond this")
     think_time_mean_s: float | None = Field(default=None, ge=0, description="mean gap between turns")
     user_tokens_sigma: float | None = Field(default=None, ge=0,
                                             description="lognormal sigma of user messages")
     output_tokens_sigma: float | None = Field(default=None, ge=0, description="lognormal sigma of answers")
-    system_prompts: int | None = Field(default=None, gt=0, description="distinct shared system prompts")
+    system_prompts: Requests | None = Field(default=None, gt=0, description="distinct shared system prompts")
 
 
 class UniformWorkload(_Transforms):
@@ -403,12 +446,12 @@ class UniformWorkload(_Transforms):
     """
 
     kind: Literal["uniform"]
-    requests: int | None = Field(default=None, gt=0, description="number of requests")
+    requests: Requests | None = Field(default=None, gt=0, description="number of requests")
     rate_per_s: float | None = Field(default=None, gt=0, description="Poisson arrival rate")
-    input_tokens_min: int | None = Field(default=None, gt=0, description="prompt length, lower bound")
-    input_tokens_max: int | None = Field(default=None, gt=0, description="prompt length, upper bound")
-    output_tokens_min: int | None = Field(default=None, gt=0, description="answer length, lower bound")
-    output_tokens_max: int | None = Field(default=None, gt=0, description="answer length, upper bound")
+    input_tokens_min: Tokens | None = Field(default=None, gt=0, description="prompt length, lower bound")
+    input_tokens_max: Tokens | None = Field(default=None, gt=0, description="prompt length, upper bound")
+    output_tokens_min: Tokens | None = Field(default=None, gt=0, description="answer length, lower bound")
+    output_tokens_max: Tokens | None = Field(default=None, gt=0, description="answer length, upper bound")
 
 
 class MooncakeWorkload(_Transforms):
@@ -417,13 +460,22 @@ class MooncakeWorkload(_Transforms):
     CSV/Parquet; ``format`` or detected)."""
 
     kind: Literal["mooncake", "trace"]
-    path: str = Field(description="trace file, relative to the scenario file")
+    path: str | None = Field(default=None, description="trace file, relative to the scenario file")
+    trace: str | None = Field(default=None, description="a published trace by name (kvsim trace fetch "
+                              "--help), found in $KVSIM_TRACES, then the fetch cache")
+    sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$",
+                               description="the trace content's sha256 (resolved scenarios); checked")
     format: Literal["auto", "mooncake", "azure", "csv", "parquet"] = Field(
         default="auto", description="trace format (kind = trace)")
     time_scale: float = Field(default=1.0, gt=0, description="multiplies arrival times")
-    block_tokens: int | None = Field(default=None, gt=0,
-                                     description="tokens per hash id (Mooncake: 512)")
+    block_tokens: Tokens | None = Field(default=None, gt=0,
+                                        description="tokens per hash id (Mooncake: 512)")
     skip_bad: bool = Field(default=False, description="skip bad lines, counted in the summary")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MooncakeWorkload:
+        _exactly_one(self, ("path", "trace"))
+        return self
 
 
 class StepTable(Strict):
@@ -481,7 +533,8 @@ class RunScenario(Strict):
     kvsim_version: str | None = Field(default=None, description="written by kvsim into resolved scenarios")
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                              description="results folder name (default: the file stem)")
-    seed: int = Field(default=0, ge=0, description="seed of every random choice")
+    seed: Annotated[int, at_most(MAX_INT64, "", WHY_INT64)] = Field(
+        default=0, ge=0, description="seed of every random choice")
     window_logic: Literal["old", "new"] = Field(default="new",
                                                 description="vLLM 0.29.0 (old) or 0.30.0 (new)")
     on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
@@ -658,6 +711,7 @@ _EXCLUSIVE: tuple[tuple[str, ...], ...] = (
     ("cpu_cache.capacity", "cpu_cache.chunks"),
     ("hardware.gpu_kv_bytes", "hardware.gpu_blocks"),
     ("model.name", "model.path", "model.groups"),
+    ("workload.path", "workload.trace"),
 )
 
 
@@ -720,6 +774,38 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str | tuple[str, s
         table[parts[-1]] = _parse_value(raw.strip())
         touched[key] = source
     return touched
+
+
+def _unit_parser_in(annotation: Any, metadata: Sequence[Any] = ()) -> Callable[[object], int] | None:
+    for m in metadata:
+        if isinstance(m, BeforeValidator) and m.func in (parse_size, parse_bandwidth):
+            return cast("Callable[[object], int]", m.func)
+    if typing.get_origin(annotation) is Annotated:
+        args = typing.get_args(annotation)
+        return _unit_parser_in(args[0], args[1:])
+    for arg in typing.get_args(annotation):
+        found = _unit_parser_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def unit_parser(key: str) -> Callable[[object], int] | None:
+    """:func:`parse_size` or :func:`parse_bandwidth` when the dotted ``run/1`` key
+    holds a size or a bandwidth (e.g. ``cpu_cache.capacity``), else None."""
+    model: type[BaseModel] = RunScenario
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fld = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if fld is None:
+            return None
+        if i == len(parts) - 1:
+            return _unit_parser_in(fld.annotation, fld.metadata)
+        found = _models_in(fld.annotation)
+        if len(found) != 1:
+            return None  # a union of tables (the workload): none of them holds a size
+        model = found[0]
+    return None
 
 
 # -- resolved model and hardware ----------------------------------------------------
@@ -925,12 +1011,9 @@ class RunSpec:
 
     @property
     def expected_requests(self) -> int | None:
-        """The number of requests when known in advance (the workload's ``limit``)."""
-        wl = self.scenario.workload
-        if isinstance(wl, UniformWorkload) and wl.sample == 1:
-            n = self.uniform_params()["requests"]
-            return int(n if wl.limit is None else min(n, wl.limit))
-        return wl.limit if wl.sample == 1 else None
+        """The number of requests when known in advance: a generator's exact count, a
+        trace's ``limit`` (:func:`sim.io.workload.request_total`)."""
+        return request_total(self)
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration."""
@@ -1022,8 +1105,12 @@ class RunSpec:
         out["scheduler"] = sc.scheduler.model_dump()
         wl = sc.workload
         if isinstance(wl, MooncakeWorkload):
-            workload = wl.model_dump(exclude_none=True)
-            workload["path"] = str(self.workload_path)
+            workload = wl.model_dump(exclude_none=True, exclude={"sha256"})
+            if wl.trace is not None:   # the name and the content's digest: the same on every machine
+                assert self.workload_path is not None
+                workload["sha256"] = trace_digest(self.workload_path)
+            else:
+                workload["path"] = str(self.workload_path)
         else:
             params = self.uniform_params() if isinstance(wl, UniformWorkload) else self.multiturn_params()
             workload = {"kind": wl.kind, **params}
@@ -1049,7 +1136,9 @@ class RunSpec:
         sc = self.scenario
         cpu = f"CPU {self.cpu_chunks} chunks ({sc.cpu_cache.policy})" if sc.scheduler.offloading \
             else "no offloading"
-        return (f"run/1: {self.name!r}, model {self.model.label} ({len(self.model.groups)} groups), "
+        n = len(self.model.groups)
+        groups = f"{n} group" + ("" if n == 1 else "s")
+        return (f"run/1: {self.name!r}, model {self.model.label} ({groups}), "
                 f"{self.hardware.name}, GPU {self.gpu_blocks} blocks, {cpu}, "
                 f"{sc.workload.kind} workload, logic {sc.window_logic}")
 
@@ -1106,26 +1195,105 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
     """Validate raw ``run/1`` data read from ``path`` and resolve it into a :class:`RunSpec`.
 
     ``overridden`` maps keys set on the command line to their option, so that
-    a bad value is reported against the option instead of the file.
+    a bad value is reported against the option instead of the file (the
+    schema's errors and the ones found resolving the scenario alike).
+
+    Raises:
+        InputError: anything wrong, before anything is run or written: bad
+            keys and values, sizes beyond the limits of :mod:`sim.io.schema`,
+            tensor parallelism that does not divide the KV heads, the copy
+            path without torch.
     """
     source = str(path)
+    try:
+        return _build_run(data, path, source)
+    except InputError as err:
+        if err.source == source:
+            for k, option in (overridden or {}).items():
+                if err.key == k or err.key.startswith(k + "."):
+                    raise InputError(option, err.key, err.problem, err.allowed) from None
+        raise
+
+
+def torch_missing() -> bool:
+    """Whether torch (the optional extra of the copy path) cannot be imported."""
+    try:
+        return importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):  # a broken or half-imported torch
+        return True
+
+
+#: what to do when the copy path is asked for without torch
+TORCH_ALLOWED = "pip install 'kvsim[torch]' (torch==2.13.0)"
+
+
+def _check_tensor_parallel(model: ResolvedModel, tp: int, source: str) -> None:
+    """vLLM shards the KV heads over the workers, or replicates them when
+    there are fewer heads than workers: ``tensor_parallel`` must divide the
+    KV heads of every (non-MLA) group, or be a multiple of them."""
+    for i, g in enumerate(model.groups):
+        if g.mla or g.kv_heads % tp == 0 or tp % g.kv_heads == 0:
+            continue
+        divisors = [d for d in range(1, g.kv_heads + 1) if g.kv_heads % d == 0]
+        raise InputError(source, "costs.tensor_parallel",
+                         f"{tp} does not divide the {g.kv_heads} KV heads of group {i} of model "
+                         f"{model.label!r} (nor is it a multiple of them)",
+                         f"a divisor of {g.kv_heads} ({', '.join(map(str, divisors))}) or a multiple of "
+                         f"{g.kv_heads}")
+
+
+def _cpu_slots(sc: RunScenario, block_bytes: int, copies: int, source: str) -> tuple[int, int]:
+    """The CPU cache's chunk slots and the bytes of one slot, within the limits."""
+    s, cc = sc.scheduler, sc.cpu_cache
+    slot = slot_bytes(block_bytes, s.blocks_per_chunk, copies)
+    if slot > MAX_BYTES:
+        raise InputError(source, "scheduler.blocks_per_chunk",
+                         f"a chunk slot of {s.blocks_per_chunk} blocks of {block_bytes} B x {copies} copies "
+                         f"is {slot} B, beyond the limit of {MAX_BYTES:,} B ({WHY_BYTES})",
+                         "fewer blocks per chunk")
+    if cc.chunks is not None:
+        if s.offloading and cc.chunks * slot > MAX_BYTES:
+            raise InputError(source, "cpu_cache.chunks",
+                             f"{cc.chunks} chunk slots of {slot} B are {cc.chunks * slot} B, beyond the "
+                             f"limit of {MAX_BYTES:,} B ({WHY_BYTES})",
+                             f"at most {MAX_BYTES // slot:,} chunks")
+        return cc.chunks, slot
+    if cc.capacity is None or cc.capacity == 0:
+        return 0, slot
+    cpu_chunks = capacity_from_bytes(cc.capacity, block_bytes, s.blocks_per_chunk, copies)
+    if cpu_chunks == 0:
+        raise InputError(source, "cpu_cache.capacity", f"{cc.capacity} B hold no chunk slot of {slot} B",
+                         f"at least {slot} B, or chunks = 0")
+    if cpu_chunks > MAX_CPU_CHUNKS:
+        raise InputError(source, "cpu_cache.capacity",
+                         f"{cc.capacity} B hold {cpu_chunks:,} chunk slots of {slot} B, beyond the limit "
+                         f"of {MAX_CPU_CHUNKS:,} chunks ({WHY_CPU_CHUNKS})",
+                         f"at most {MAX_CPU_CHUNKS * slot} B")
+    return cpu_chunks, slot
+
+
+def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
     check_schema(data, source, "run/1")
     try:
         sc = RunScenario.model_validate(data)
     except ValidationError as exc:
-        err = located(exc, source, RunScenario)
-        for k, option in (overridden or {}).items():
-            if err.key == k or err.key.startswith(k + "."):
-                err = InputError(option, err.key, err.problem, err.allowed)
-        raise err from None
+        raise located(exc, source, RunScenario) from None
+    if sc.copy_path.enabled and torch_missing():
+        raise InputError(source, "copy_path.enabled", "the copy path needs torch, which is not installed",
+                         f"{TORCH_ALLOWED}, or copy_path.enabled = false")
     base = path.resolve().parent
     model = _resolve_model(sc.model, base, source)
     hw = _resolve_hardware(sc.hardware, base, source)
     s = sc.scheduler
     tp = sc.costs.tensor_parallel
+    _check_tensor_parallel(model, tp, source)
     layout = _layout(model.groups, s.tokens_per_hash, s.blocks_per_chunk, tp, model.source, model.prefix,
                      run_source=source)
     block_bytes = max(layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups)))
+    if block_bytes > MAX_BYTES:
+        raise InputError(model.source, f"{model.prefix}groups",
+                         f"{block_bytes} B per block is beyond the limit of {MAX_BYTES:,} B ({WHY_BYTES})",
+                         "fewer layers, heads or a smaller head_size")
     gpu_kv_bytes: int | None = None
     if sc.hardware.gpu_blocks is not None:
         gpu_blocks = sc.hardware.gpu_blocks
@@ -1146,25 +1314,29 @@ def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | 
             raise InputError(source, "hardware.gpu_kv_bytes",
                              f"{gpu_kv_bytes} B hold {gpu_blocks} blocks of {block_bytes} B",
                              f"at least {2 * block_bytes} B (2 blocks, the null block included)")
+        if gpu_blocks > MAX_GPU_BLOCKS:
+            given = "" if sc.hardware.gpu_kv_bytes is not None else " (the default)"
+            raise InputError(source, "hardware.gpu_kv_bytes",
+                             f"{gpu_kv_bytes} B{given} hold {gpu_blocks:,} blocks of {block_bytes} B, beyond "
+                             f"the limit of {MAX_GPU_BLOCKS:,} GPU blocks ({WHY_GPU_BLOCKS})",
+                             f"at most {MAX_GPU_BLOCKS * block_bytes} B, or hardware.gpu_blocks")
 
-    cpu_chunks = 0
-    cc = sc.cpu_cache
     copies = 1 if all(g.mla for g in model.groups) else tp   # MLA caches are replicated, one copy
-    slot = slot_bytes(block_bytes, s.blocks_per_chunk, copies)
-    if cc.chunks is not None:
-        cpu_chunks = cc.chunks
-    elif cc.capacity is not None and cc.capacity > 0:
-        cpu_chunks = capacity_from_bytes(cc.capacity, block_bytes, s.blocks_per_chunk, copies)
-        if cpu_chunks == 0:
-            raise InputError(source, "cpu_cache.capacity", f"{cc.capacity} B hold no chunk slot of {slot} B",
-                             f"at least {slot} B, or chunks = 0")
+    cpu_chunks, slot = _cpu_slots(sc, block_bytes, copies, source)
     workload_path: Path | None = None
     wl = sc.workload
     if isinstance(wl, MooncakeWorkload):
-        workload_path = (base / wl.path).resolve()
-        if not workload_path.is_file():
-            raise InputError(source, "workload.path", f"{wl.path!r}: no such file",
-                             "a trace file, relative to the scenario file")
+        if wl.trace is not None:
+            workload_path = resolve_trace(wl.trace, source=source, key="workload.trace")
+        else:
+            assert wl.path is not None
+            workload_path = (base / wl.path).resolve()
+            if not workload_path.is_file():
+                raise InputError(source, "workload.path", f"{wl.path!r}: no such file",
+                                 "a trace file, relative to the scenario file")
+        if wl.sha256 is not None and (digest := trace_digest(workload_path)) != wl.sha256:
+            raise InputError(source, "workload.sha256", f"{workload_path} has sha256 {digest}",
+                             "the trace the run used (its sha256 as recorded), or no workload.sha256")
         block_tokens = wl.block_tokens or (512 if wl.kind == "mooncake" else None)
         if block_tokens is not None and block_tokens % s.tokens_per_hash:
             raise InputError(source, "workload.block_tokens",

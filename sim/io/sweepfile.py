@@ -5,6 +5,12 @@ format is documented in ``docs/sweeps.md``). :func:`read_sweep` expands the
 grid and/or point list into :class:`SweepPoint` objects, each a validated
 :class:`~sim.io.scenario.RunSpec`; every point is validated up front, so a
 bad value anywhere is one ``InputError`` line before anything runs.
+
+Besides each point's own validation, a sweep is refused when it would run
+the same thing twice or nothing at all: an empty ``grid``; two values of a
+grid key that are equal (after unit parsing for sizes and bandwidths:
+``"1GiB"``, ``"1024MiB"`` and ``1073741824`` are one value); two ``points``
+that are equal (the same way); two points that resolve to the same run.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from sim.io.scenario import (
     kvsim_version,
     located,
     read_toml,
+    unit_parser,
 )
 from sim.io.schema import Strict
 
@@ -91,7 +98,7 @@ class SweepPoint:
         spec = self.spec
         sc = spec.scenario
         wl = sc.workload
-        workload = Path(wl.path).name if isinstance(wl, MooncakeWorkload) else wl.kind
+        workload = (wl.trace or Path(wl.path or "").name) if isinstance(wl, MooncakeWorkload) else wl.kind
         return {"model": spec.model.label, "hardware": spec.hardware.name, "workload": workload,
                 "cpu_cache_bytes": spec.cpu_cache_bytes, "cpu_cache_policy": sc.cpu_cache.policy,
                 "window_logic": sc.window_logic, "blocks_per_chunk": sc.scheduler.blocks_per_chunk,
@@ -136,6 +143,26 @@ def _flatten_grid(grid: dict[str, Any], prefix: str = "") -> Iterator[tuple[str,
             yield f"{prefix}{k}", v
 
 
+def _normal(key: str, value: Any) -> Any:
+    """A swept value as the run sees it, for finding repeats: sizes and
+    bandwidths in bytes; anything else (or a value that does not parse) as given."""
+    parse = unit_parser(key)
+    if parse is not None:
+        try:
+            return parse(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _tag(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _shown(values: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v, default=str)}" for k, v in values.items()) + "}"
+
+
 def _check_key(key: str, where: str, source: str) -> None:
     if key.partition(".")[0] in _FIXED_KEYS:
         raise InputError(source, where, f"{key!r} cannot be swept",
@@ -147,7 +174,7 @@ def cell_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
-        for k in ("name", "label", "profile"):
+        for k in ("name", "label", "profile", "trace"):
             if isinstance(value.get(k), str):
                 return Path(value[k]).stem
         if isinstance(value.get("path"), str):
@@ -239,21 +266,37 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
         if not isinstance(values, list) or not values:
             raise InputError(source, where, f"{values!r} is not a list of values",
                              'a non-empty list, e.g. ["64GiB", "128GiB"]')
-        seen: set[str] = set()
+        seen: dict[str, Any] = {}
         for v in values:
-            tag = json.dumps(v, sort_keys=True, default=str)
+            n = _normal(key, v)
+            tag = _tag(n)
             if tag in seen:
-                raise InputError(source, where, f"{v!r} appears twice", "distinct values")
-            seen.add(tag)
+                first = seen[tag]
+                if _tag(first) == _tag(v):
+                    raise InputError(source, where, f"{v!r} appears twice", "distinct values")
+                raise InputError(source, where, f"{first!r} and {v!r} are the same value ({n!r})",
+                                 "distinct values")
+            seen[tag] = v
         grid.append((key, values))
+    if sec.grid is not None and not grid:
+        raise InputError(source, "sweep.grid", "empty table: no key to vary",
+                         'dotted keys with non-empty lists of values, e.g. "cpu_cache.capacity" = ["64GiB"]')
     grid_keys = [k for k, _ in grid]
     explicit = sec.points if sec.points is not None else [{}]
+    seen_points: dict[str, int] = {}
     for i, point in enumerate(sec.points or []):
         for key in point:
             _check_key(key, f"sweep.points[{i}].{_q(key)}", source)
             if key in grid_keys:
                 raise InputError(source, f"sweep.points[{i}].{_q(key)}", "also a key of sweep.grid",
                                  "each key in either grid or points")
+        tag = _tag({k: _normal(k, v) for k, v in point.items()})
+        if tag in seen_points:
+            j = seen_points[tag]
+            raise InputError(source, f"sweep.points[{i}]",
+                             f"repeats sweep.points[{j}] ({_shown(sec.points[j])} and {_shown(point)})",
+                             "distinct points")
+        seen_points[tag] = i
     for key in (*sec.set_, *(sm.set_ if smoke else {})):
         _check_key(key, key, source)
 
@@ -277,6 +320,7 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
     keep = spread(total, sm.points or total) if smoke else list(range(total))
     width = max(3, len(str(total - 1)))
     points = []
+    runs: dict[str, int] = {}  # the resolved run (name aside) -> the first point making it
     for index in keep:
         values, origin = combos[index]
         run_id = f"{index:0{width}d}-{_slug(values)}"
@@ -290,6 +334,18 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
                 _set_key(d, key, value, source, f"smoke.set.{_q(key)}")
         d["name"] = run_id
         spec = _build_point(d, p, touched, values, origin, index)
+        if not smoke:  # the smoke selection may make points equal on purpose; the full sweep was checked
+            run = spec.resolved()
+            run.pop("name", None)
+            tag = _tag(run)
+            first = runs.setdefault(tag, index)
+            if first != index:
+                other = combos[first][0]
+                key = next((k for k in values if _tag(values[k]) != _tag(other.get(k))),
+                           next(iter(values), ""))
+                raise InputError(source, origin.get(key, "sweep"),
+                                 f"point {index} ({_shown(values)}) is the same run as point {first} "
+                                 f"({_shown(other)})", "points that differ in the run they make")
         points.append(SweepPoint(index, run_id, values, d, spec, spec.resolved_toml()))
     name = data.get("name", p.stem)
     if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):

@@ -13,9 +13,15 @@ What it provides
       relative to the first record exactly, in integer nanoseconds);
     * ``csv`` and ``parquet``: kvsim's own schema (``CSV_COLUMNS``).
 
+    Mooncake JSONL and CSV files may be gzip-compressed (a ``.gz`` name or
+    the gzip magic bytes); they are decompressed as they stream.
+
     :func:`trace_stats` summarises a trace (counts, rates, length
     percentiles, prefix reuse of hash-id traces); :func:`fetch_trace`
     downloads a published trace into a cache folder and verifies its digest;
+    :func:`resolve_trace` finds a published trace by name for a scenario
+    (``$KVSIM_TRACES``, then the fetch cache) and :func:`trace_digest` is the
+    sha256 of a trace's content that a resolved scenario records;
     :func:`convert_trace` rewrites a trace in another format. All three back
     the ``kvsim trace stats|fetch|convert`` commands (:func:`add_trace_parser`).
 
@@ -38,13 +44,16 @@ Conventions
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
+import io
 import json
 import math
 import os
 import secrets
 import urllib.error
 import urllib.request
+import zlib
 from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -64,6 +73,7 @@ __all__ = [
     "CSV_COLUMNS",
     "FORMATS",
     "KNOWN_TRACES",
+    "TRACES_ENV",
     "WRITABLE_FORMATS",
     "BadLines",
     "KnownTrace",
@@ -76,6 +86,10 @@ __all__ = [
     "iter_mooncake_records",
     "iter_records",
     "output_format",
+    "resolve_trace",
+    "trace_digest",
+    "trace_has_requests",
+    "trace_search_dirs",
     "trace_stats",
     "write_records",
 ]
@@ -151,14 +165,38 @@ class _FieldError(Exception):
 # Format detection and file access
 # ----------------------------------------------------------------------------------------------
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _is_gzip(path: Path, head: bytes) -> bool:
+    """A gzip-compressed file: a ``.gz`` name or the gzip magic bytes."""
+    return path.suffix.lower() == ".gz" or head.startswith(_GZIP_MAGIC)
+
+
+def _inner_suffix(path: Path) -> str:
+    """The suffix that tells the format (``t.jsonl.gz`` -> ``.jsonl``)."""
+    name = path.name
+    if name.lower().endswith(".gz"):
+        name = name[:-3]
+    return Path(name).suffix.lower()
+
+
 def _head(path: Path, source: str, size: int = 4096) -> bytes:
+    """The first ``size`` bytes of the file's content (decompressed when gzip-compressed)."""
     try:
         with path.open("rb") as f:
-            return f.read(size)
+            raw = f.read(size)
     except FileNotFoundError as exc:
         raise InputError(source, "", "no such file", "an existing trace file") from exc
     except OSError as exc:
         raise InputError(source, "", f"cannot read ({exc.strerror or exc})", "a readable trace file") from exc
+    if not _is_gzip(path, raw):
+        return raw
+    try:
+        return zlib.decompressobj(wbits=31).decompress(raw, size)
+    except zlib.error as exc:
+        raise InputError(source, "", f"corrupt gzip data ({exc})",
+                         "a gzip-compressed or plain trace file") from None
 
 
 def _first_line(head: bytes) -> str:
@@ -176,7 +214,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     ``.jsonl``/``.ndjson`` -> mooncake; ``.parquet``/``.pq`` -> parquet;
     ``.csv`` -> azure when its header is ``TIMESTAMP,ContextTokens,GeneratedTokens``,
     else csv (kvsim's schema). Other names are sniffed (Parquet magic, a JSON
-    object, either CSV header).
+    object, either CSV header). A gzip-compressed file (a ``.gz`` name or the
+    gzip magic bytes) is told by the name without ``.gz`` and its content.
 
     Raises:
         InputError: the file is missing or unreadable, or the format cannot be told.
@@ -184,7 +223,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     source = str(path)
     head = _head(p, source)
-    suffix = p.suffix.lower()
+    suffix = _inner_suffix(p)
     if suffix in (".jsonl", ".ndjson"):
         return "mooncake"
     if suffix in (".parquet", ".pq"):
@@ -215,8 +254,33 @@ def output_format(path: str | os.PathLike[str]) -> str:
     return fmt
 
 
+class _GzipLines:
+    """Lines of a gzip stream; corrupt or truncated data becomes one :class:`InputError`."""
+
+    def __init__(self, f: IO[bytes], source: str) -> None:
+        self.f = f
+        self.source = source
+        self.n = 0
+
+    def __iter__(self) -> _GzipLines:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            line = self.f.readline()
+        except (OSError, EOFError, zlib.error) as exc:
+            raise InputError(self.source, f"line {self.n + 1}", f"corrupt gzip data ({exc})",
+                             "a complete gzip file (or the plain trace)") from None
+        if not line:
+            raise StopIteration
+        self.n += 1
+        return line
+
+
 @contextmanager
-def _open_binary(path: Path, source: str) -> Iterator[IO[bytes]]:
+def _open_binary(path: Path, source: str) -> Iterator[Any]:
+    """The file's lines as bytes; a gzip-compressed file (``.gz`` or the magic bytes) is
+    decompressed on the fly. Nothing is read ahead beyond the first buffer (pipes stream)."""
     try:
         f = path.open("rb")
     except FileNotFoundError as exc:
@@ -224,7 +288,11 @@ def _open_binary(path: Path, source: str) -> Iterator[IO[bytes]]:
     except OSError as exc:
         raise InputError(source, "", f"cannot read ({exc.strerror or exc})", "a readable trace file") from exc
     with f:
-        yield f
+        if path.suffix.lower() == ".gz" or f.peek(2)[:2] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=f, mode="rb") as gz:
+                yield _GzipLines(io.BufferedReader(gz, 1 << 16), source)
+        else:
+            yield f
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1008,6 +1076,112 @@ def default_cache_dir() -> Path:
     """``$KVSIM_CACHE`` if set (the folder the traces go in), else ``~/.cache/kvsim/traces``."""
     env = os.environ.get("KVSIM_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "kvsim" / "traces"
+
+
+#: environment variable naming a folder of trace files, searched before the fetch cache
+TRACES_ENV = "KVSIM_TRACES"
+
+
+def trace_search_dirs() -> list[Path]:
+    """Where a trace named in a scenario is looked for, in order: ``$KVSIM_TRACES``
+    (when set), then the fetch cache (:func:`default_cache_dir`)."""
+    env = os.environ.get(TRACES_ENV)
+    return [Path(env), default_cache_dir()] if env else [default_cache_dir()]
+
+
+def resolve_trace(name: str, *, source: str = "trace", key: str = "") -> Path:
+    """The file of a known trace (``KNOWN_TRACES``), by name.
+
+    Each folder of :func:`trace_search_dirs` is tried in order, for the file name
+    ``kvsim trace fetch`` saves under (``conversation_trace.jsonl``), then the same
+    name with ``.gz`` (a compressed copy). No digest is checked here: the fetch
+    checks what it downloads, and a run records the content's digest
+    (:func:`trace_digest`).
+
+    Raises:
+        InputError: an unknown name, or no folder holds the file (one line,
+            naming the ``kvsim trace fetch`` command that gets it).
+    """
+    spec = KNOWN_TRACES.get(name)
+    if spec is None:
+        raise InputError(source, key, f"unknown trace name {name!r}",
+                         "one of " + ", ".join(KNOWN_TRACES) + " (kvsim trace fetch --help), or a path")
+    dirs = trace_search_dirs()
+    for folder in dirs:
+        for filename in (spec.filename, spec.filename + ".gz"):
+            candidate = folder / filename
+            if candidate.is_file():
+                return candidate
+    where = " and ".join(
+        f"${TRACES_ENV} ({d})" if i == 0 and len(dirs) > 1 else f"the fetch cache ({d})"
+        for i, d in enumerate(dirs))
+    raise InputError(source, key, f"trace {name!r} not found: no {spec.filename} in {where}",
+                     f"run `kvsim trace fetch {name}` first, or set ${TRACES_ENV} to a folder "
+                     f"holding {spec.filename}")
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def trace_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a trace file's content, decompressed when gzip-compressed.
+
+    A plain file and its gzip copy give the same digest; for a published trace it
+    equals the published sha256. Remembered per (path, size, mtime) in this process.
+
+    Raises:
+        InputError: the file is missing, unreadable or corrupt gzip data.
+    """
+    p = Path(path)
+    source = str(path)
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise InputError(source, "", f"cannot read ({exc.strerror or exc})", "a readable trace file") from exc
+    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    known = _DIGESTS.get(memo)
+    if known is not None:
+        return known
+    h = hashlib.sha256()
+    with _open_binary(p, source) as f:
+        read = getattr(f, "read", None)
+        if read is not None:
+            while chunk := read(1 << 20):
+                h.update(chunk)
+        else:
+            for line in f:
+                h.update(line)
+    digest = h.hexdigest()
+    _DIGESTS[memo] = digest
+    return digest
+
+
+def trace_has_requests(path: str | os.PathLike[str], fmt: str) -> bool:
+    """False when a regular trace file holds no record line at all (empty, blank lines
+    only, or a CSV header alone; a Parquet file of zero rows). Reads up to the first
+    record line; anything else (a pipe, a missing file) counts as True here and is
+    left to the reader.
+    """
+    p = Path(path)
+    source = str(path)
+    try:
+        if not p.is_file():
+            return True
+        if fmt == "parquet":
+            try:
+                return bool(pq.ParquetFile(p).metadata.num_rows)
+            except (pa.ArrowException, OSError):
+                return True
+        skip = 0 if fmt == "mooncake" else 1   # the CSV header
+        with _open_binary(p, source) as f:
+            for raw in f:
+                if raw.strip():
+                    if skip == 0:
+                        return True
+                    skip -= 1
+        return False
+    except InputError:
+        return True
 
 
 def _digest_problem(path: Path, spec: KnownTrace) -> str | None:

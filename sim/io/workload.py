@@ -10,10 +10,11 @@ What it models
 
     Sources: a trace replay and synthetic generators.
 
-    :func:`iter_mooncake` replays a Mooncake FAST'25 JSONL trace
-    (``/work/shared/traces/README.md``). The trace names 512-token blocks by
-    ids that are already chained, so equal ids at equal positions mean an
-    equal prefix. A complete trace block with id ``h`` is expanded into
+    :func:`iter_mooncake` replays a Mooncake FAST'25 JSONL trace (``kvsim
+    trace fetch mooncake-conversation``; plain or gzip-compressed). The trace
+    names 512-token blocks by ids that are already chained, so equal ids at
+    equal positions mean an equal prefix. A complete trace block with id
+    ``h`` is expanded into
     ``block_tokens // tokens_per_hash`` sub-hashes that depend only on ``h``
     and the position inside the block; requests that share trace ids
     ``h_0..h_k`` therefore share exactly the sub-hashes of those blocks and
@@ -71,7 +72,14 @@ Invariants
     * results depend only on the inputs and the seed, never on
       ``PYTHONHASHSEED`` (no use of Python's ``hash()``);
     * streams are lazy: a Mooncake file is read line by line, and only live
-      sessions are held by the multi-turn generator.
+      sessions are held by the multi-turn generator;
+    * a trace stream never ends "ok" without a request: a file with no
+      request line raises :class:`InputError` ("no requests") at the call, a
+      stream whose every line ``skip_bad`` skipped raises it at its end;
+    * :func:`multiturn_count` and :func:`uniform_count` give a generator's
+      exact request count (after ``sample`` and ``limit``) without building
+      hashes; :func:`request_total` is that count for a run (a progress bar's
+      total).
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
-from sim.io.traces import iter_mooncake_records, iter_records
+from sim.io.traces import BadLines, detect_format, iter_mooncake_records, iter_records, trace_has_requests
 from sim.model.request import Request
 
 __all__ = [
@@ -102,10 +110,13 @@ __all__ = [
     "iter_multiturn",
     "iter_trace",
     "iter_uniform",
+    "multiturn_count",
     "replace_arrival",
+    "request_total",
     "sample",
     "scale_rate",
     "take",
+    "uniform_count",
     "validate_params",
     "validate_uniform",
 ]
@@ -278,6 +289,8 @@ def iter_mooncake(path: str | Path, tokens_per_hash: int, *, limit: int | None =
         raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
     if not Path(path).exists():
         raise InputError(source, "", "no such file", "a Mooncake JSONL trace")
+    if limit != 0 and not trace_has_requests(path, "mooncake"):
+        raise _no_requests(source, "the file has no request line")
     records = iter_mooncake_records(path, block_tokens)
     return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix)
 
@@ -314,14 +327,25 @@ def iter_trace(path: str | Path, tokens_per_hash: int, *, fmt: str | None = None
     if limit is not None and (type(limit) is not int or limit < 0):
         raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
     records = iter_records(path, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens)
-    return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix)
+    if limit != 0 and Path(path).is_file() and not trace_has_requests(path, fmt or detect_format(path)):
+        raise _no_requests(source, "the file has no request line")
+    return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix,
+                         bad if isinstance(bad, BadLines) else None)
+
+
+def _no_requests(source: str, why: str) -> InputError:
+    """``FILE: no requests (why)``: an empty trace is bad input, never an "ok" run of 0 requests."""
+    return InputError(source, "", f"no requests ({why})", "a trace with at least one request")
 
 
 def _trace_stream(records: Iterator[Any], source: str, tph: int, limit: int | None, time_scale: float,
-                  id_prefix: str) -> Iterator[Request]:
+                  id_prefix: str, bad: BadLines | None = None) -> Iterator[Request]:
+    """The requests of ``records``; a stream that ends without one raises :class:`InputError`
+    ("no requests"), e.g. when ``skip_bad`` skipped every line."""
     expand = _Expander(tph, id_prefix)
     if limit == 0:
         return
+    index = -1
     for index, rec in enumerate(records):
         bt = rec.block_tokens
         if rec.hash_ids is not None and bt and bt % tph:
@@ -333,6 +357,10 @@ def _trace_stream(records: Iterator[Any], source: str, tph: int, limit: int | No
                       rec.output_tokens, hashes, rec.session_id, tph)
         if limit is not None and index + 1 >= limit:
             return
+    if index < 0:
+        skipped = bad.count if bad is not None else 0
+        raise _no_requests(source, f"every line was bad: {skipped} bad line{'s' if skipped != 1 else ''} "
+                           "skipped by skip_bad" if skipped else "the trace holds no request")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,11 +489,11 @@ def iter_multiturn(params: MultiTurnParams, seed: int, tokens_per_hash: int, *,
     return _multiturn_stream(params, seed, tokens_per_hash, limit)
 
 
-def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
-             tph: int) -> Iterator[Request]:
-    """The turns of session ``s``, in order; holds only this session's hashes."""
+def _plan(p: MultiTurnParams, seed_salt: int, s: int) -> tuple[int, list[tuple[int, int, float]]]:
+    """Session ``s``'s system-prompt tag and its turns as (prompt, output, gap to the next
+    turn) tuples, drawn in a fixed order from the session's own generator; the turns stop
+    before a prompt would exceed ``max_context_tokens``."""
     rng = random.Random(chain_hash(seed_salt, s))
-    content_salt = chain_hash(seed_salt ^ _TAG_SESSION, s)
     # which shared system prompt (prompt 0 keeps the historical hashes)
     system_tag = _TAG_SYSTEM if p.system_prompts == 1 else chain_hash(
         _TAG_SYSTEM, rng.randrange(p.system_prompts))
@@ -473,10 +501,8 @@ def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
     turns = 1
     while turns < p.turns_max and rng.random() >= p_stop:
         turns += 1
-    hashes: array[int] = array("q")
-    parent = _ROOT
     context = p.system_prompt_tokens
-    arrival = start_s
+    out_turns: list[tuple[int, int, float]] = []
     for t in range(turns):
         if t == 0:
             user = min(_lognormal_int(rng, p.first_user_tokens_mean, p.user_tokens_sigma),
@@ -487,7 +513,21 @@ def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
         gap = rng.gammavariate(2.0, p.think_time_mean_s / 2.0)
         prompt = context + user
         if prompt > p.max_context_tokens:
-            return
+            break
+        out_turns.append((prompt, out, gap))
+        context = prompt + out
+    return system_tag, out_turns
+
+
+def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
+             tph: int) -> Iterator[Request]:
+    """The turns of session ``s``, in order; holds only this session's hashes."""
+    system_tag, turns = _plan(p, seed_salt, s)
+    content_salt = chain_hash(seed_salt ^ _TAG_SESSION, s)
+    hashes: array[int] = array("q")
+    parent = _ROOT
+    arrival = start_s
+    for t, (prompt, out, gap) in enumerate(turns):
         total = prompt + out
         for i in range(len(hashes), total // tph):
             # A block that lies wholly inside the system prompt has the same
@@ -496,7 +536,6 @@ def _session(p: MultiTurnParams, seed_salt: int, s: int, start_s: float,
             parent = chain_hash(parent, content)
             hashes.append(parent)
         yield Request(f"s{s}t{t}", arrival, prompt, out, array("q", hashes), f"s{s}", tph)
-        context = total
         arrival += gap
 
 
@@ -530,6 +569,63 @@ def _multiturn_stream(p: MultiTurnParams, seed: int, tph: int, limit: int | None
         if limit is not None and emitted >= limit:
             return
         admit(s, gen)
+
+
+def _kept(fraction: float, seed: int) -> Any:
+    """The predicate :func:`sample` applies to a request id."""
+    cut = int(fraction * (1 << 63))
+    salt = chain_hash(_TAG_START ^ 0xA5A5, seed)
+    return lambda req_id: chain_hash(salt, _str_salt(req_id)) < cut
+
+
+def _count(ids: Iterator[str], seed: int, sample_fraction: float, limit: int | None) -> int:
+    if sample_fraction != 1:
+        keep = _kept(sample_fraction, seed)
+        n = sum(1 for i in ids if keep(i))
+    else:
+        n = sum(1 for _ in ids)
+    return n if limit is None else min(n, limit)
+
+
+def multiturn_count(params: MultiTurnParams, seed: int, *, sample_fraction: float = 1.0,
+                    limit: int | None = None) -> int:
+    """How many requests :func:`iter_multiturn` yields for ``(params, seed)`` (any
+    ``tokens_per_hash``), after :func:`sample` with ``sample_fraction`` and ``limit``:
+    exactly, from the same per-session draws, without computing a hash (a progress
+    bar's total). ``rate_scale`` does not change the count."""
+    validate_params(params)
+    seed_salt = chain_hash(_TAG_START, seed)
+    ids = (f"s{s}t{t}" for s in range(params.sessions)
+           for t in range(len(_plan(params, seed_salt, s)[1])))
+    return _count(ids, seed, sample_fraction, limit)
+
+
+def uniform_count(params: UniformParams, seed: int, *, sample_fraction: float = 1.0,
+                  limit: int | None = None) -> int:
+    """How many requests :func:`iter_uniform` yields, after ``sample_fraction`` and ``limit``."""
+    validate_uniform(params)
+    return _count((f"u{i:06d}" for i in range(params.requests)), seed, sample_fraction, limit)
+
+
+def request_total(spec: Any) -> int | None:
+    """The number of requests a run will see, when it is known before running (a
+    progress bar's total): a generator's exact count (:func:`multiturn_count`,
+    :func:`uniform_count`, after ``sample`` and ``limit``); a trace's ``limit`` when
+    nothing is sampled; else None.
+
+    Args:
+        spec: a :class:`sim.io.scenario.RunSpec` (read through ``scenario.workload``,
+            ``scenario.seed``, ``multiturn_params()`` and ``uniform_params()``).
+    """
+    wl = spec.scenario.workload
+    seed = spec.scenario.seed
+    if wl.kind in ("multiturn", "agentic"):
+        return multiturn_count(MultiTurnParams(**spec.multiturn_params()), seed, sample_fraction=wl.sample,
+                               limit=wl.limit)
+    if wl.kind == "uniform":
+        return uniform_count(UniformParams(**spec.uniform_params()), seed, sample_fraction=wl.sample,
+                             limit=wl.limit)
+    return wl.limit if wl.sample == 1 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -625,9 +721,8 @@ def sample(stream: Iterator[Request], fraction: float, seed: int) -> Iterator[Re
         raise InputError("workload", "sample", f"{fraction!r}", "a number in (0, 1]")
     if fraction == 1:
         return stream
-    cut = int(fraction * (1 << 63))
-    salt = chain_hash(_TAG_START ^ 0xA5A5, seed)
-    return (r for r in stream if chain_hash(salt, _str_salt(r.req_id)) < cut)
+    keep = _kept(fraction, seed)
+    return (r for r in stream if keep(r.req_id))
 
 
 def take(stream: Iterator[Request], limit: int | None) -> Iterator[Request]:

@@ -11,7 +11,8 @@ What it does
     after the other in this process). Then the two folders are read back and
     compared.
 
-Folder (``results/<name>/compare/`` unless ``out`` names it)::
+Folder (``results/<name>-compare/`` unless ``out`` names it: beside the run
+folder ``results/<name>/`` of ``kvsim run``, never inside it)::
 
     old/ new/          the two run folders (see sim.io.results)
     compare.md         the report: side-by-side figures, diverging requests,
@@ -25,10 +26,17 @@ Folder (``results/<name>/compare/`` unless ``out`` names it)::
     diverged.parquet   one row per request whose outcome differs (columns:
                        :data:`DIVERGED_COLUMNS`), ``how`` says it in words
 
-    The folder is written like a run folder: into a temporary folder beside
-    the target, renamed onto it at the end; a non-empty target is refused
-    unless ``overwrite``; bad input (scenario, overrides, a bad trace line)
-    leaves nothing behind.
+    The folder is written like a run folder (see "Life cycle" in
+    :mod:`sim.io.results`): into a temporary folder beside the target
+    (``.<name>.tmp-<pid>``), renamed onto it at the end; a non-empty target
+    is refused unless ``overwrite``; bad input (scenario, overrides, a bad
+    trace line, an ``out`` that cannot be written) leaves nothing behind.
+    A compare whose run failed, written while a previous compare sits at
+    the target, goes beside it as ``<name>.failed`` (the previous one is
+    kept); an interrupted compare (Ctrl-C, SIGTERM) keeps nothing: its
+    workers are stopped, its temporary folder removed, and the previous
+    compare is left as it was. The two worker processes die with the
+    compare process (:func:`sim.tools.run.worker_init`).
 
 Divergence
     A request diverges when any of ``status``, ``crash``, ``cpu_hit_tokens``,
@@ -70,10 +78,22 @@ from tqdm import tqdm
 
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
-from sim.io.results import RunWriter, clean_floats, load_results, move_into_place, write_json_atomic
+from sim.io.results import (
+    RunWriter,
+    clean_floats,
+    clean_leftovers,
+    load_results,
+    make_folder,
+    move_into_place,
+    out_error,
+    remove_created,
+    temp_beside,
+    write_json_atomic,
+    write_text_atomic,
+)
 from sim.io.scenario import human_bytes, load_run
 from sim.tools.plots import old_vs_new, save_figure
-from sim.tools.run import execute
+from sim.tools.run import Interrupted, execute, signal_of, stop_pool, worker_init
 
 __all__ = [
     "DIVERGED_COLUMNS",
@@ -81,6 +101,7 @@ __all__ = [
     "CompareResult",
     "compare_runs",
     "compare_table",
+    "default_target",
     "describe_divergence",
     "diverged_requests",
     "list_reproducers",
@@ -119,6 +140,8 @@ class CompareResult:
         figures: the contents of ``compare.json``.
         diverged: ``diverged.parquet`` as a DataFrame (columns :data:`DIVERGED_COLUMNS`).
         status: ``"ok"``, or ``"failed"`` when a run failed (its ``summary.json`` says why).
+        errors: logic -> the traceback of its failed run.
+        kept: the previous compare left in place when this failed one went beside it.
     """
 
     path: Path
@@ -127,6 +150,8 @@ class CompareResult:
     diverged: Any
     status: str = "ok"
     errors: dict[str, str] = field(default_factory=dict)
+    #: the previous compare left in place when this one (failed) went beside it
+    kept: Path | None = None
 
     @property
     def report(self) -> Path:
@@ -185,12 +210,21 @@ def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_both(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    """Both runs: here one after the other (``jobs = 1``), or in two worker processes that
+    ignore Ctrl-C (the parent stops them) and die with the parent."""
     if jobs <= 1:
         return [_run_logic(t) for t in tasks]
 
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-        return list(pool.map(_run_logic, tasks))
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=worker_init,
+                               initargs=(os.getpid(),))
+    try:
+        done = list(pool.map(_run_logic, tasks))
+    except BaseException:
+        stop_pool(pool)  # before the temporary folder they write into is removed
+        raise
+    pool.shutdown(wait=True)
+    return done
 
 
 def _check_target(target: Path, overwrite: bool) -> None:
@@ -201,18 +235,6 @@ def _check_target(target: Path, overwrite: bool) -> None:
                          "a new or empty folder, or --overwrite")
 
 
-def _missing_parents(target: Path) -> list[Path]:
-    """Folders above ``target`` that do not exist yet, innermost first."""
-    out = []
-    p = target.parent
-    while not p.exists():
-        out.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    return out
-
-
 def compare_runs(spec_path: str | Path, out: str | Path | None = None,
                  overrides: Sequence[str | tuple[str, str]] = (), jobs: int = 2, progress: bool = False,
                  *, overwrite: bool = False, verify_reproducers: bool = False,
@@ -221,7 +243,7 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
 
     Args:
         spec_path: the ``run/1`` scenario.
-        out: the compare folder (default ``results/<name>/compare``).
+        out: the compare folder (default ``results/<name>-compare``).
         overrides: ``--set``-style overrides (``"key=value"`` or ``(option, "key=value")``),
             applied before the compare's own ``window_logic``.
         jobs: 2 runs the two logics in parallel processes; 1 runs them here, in turn.
@@ -232,10 +254,15 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
 
     Returns:
         The result; ``status`` is ``"failed"`` when a run failed (the folder
-        is written all the same, with what could be compared).
+        is written all the same, with what could be compared: at ``out``, or
+        beside a previous compare as ``<out>.failed``, ``kept`` naming the
+        previous one).
 
     Raises:
-        InputError: bad scenario, overrides, arguments or trace; nothing is created then.
+        InputError: bad scenario, overrides, arguments or trace, or an ``out``
+            that cannot be written; nothing is created then.
+        Interrupted: Ctrl-C or SIGTERM (``kept`` says what was left); the
+            workers are stopped and nothing is created.
     """
 
     if type(jobs) is not int or jobs < 1:
@@ -243,24 +270,24 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
     spec_path = Path(spec_path)
     specs = {lg: load_run(spec_path, _logic_overrides(overrides, lg)) for lg in LOGICS}
     spec = specs["old"]
-    target = Path(out) if out is not None else Path("results") / spec.name / "compare"
+    target = Path(out) if out is not None else default_target(spec.name)
     _check_target(target, overwrite)
-    created = _missing_parents(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    previous = target.is_dir() and any(target.iterdir())
+    created = make_folder(target.parent, target)
+    clean_leftovers(target.parent)
+    tmp = temp_beside(target)
 
     def abort() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first; only the ones this call made, if still empty
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        remove_created(created)  # innermost first; only the ones this call made, if still empty
 
     try:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            raise out_error(target, exc) from None
         tasks = [{"logic": lg, "scenario": str(spec_path), "overrides": list(overrides),
                   "target": str(tmp / lg), "progress": progress, "position": i, "argv": list(argv)}
                  for i, lg in enumerate(LOGICS)]
@@ -270,6 +297,8 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
         for lg in LOGICS:
             bad = done[lg].get("input_error")
             if bad is not None:
+                if bad[:2] == ["argument", "--out"]:  # the run's output (a full disk): name the compare's
+                    bad = [*bad[:2], str(bad[2]).replace(str(tmp / lg), str(target)), bad[3]]
                 raise InputError(*bad)
         scenario = {"source": str(spec_path), "name": spec.name, "seed": spec.scenario.seed,
                     "overrides": [o if isinstance(o, str) else f"{o[0]} {o[1]}" for o in overrides],
@@ -277,16 +306,32 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
                     "describe": spec.describe().rsplit(", logic ", 1)[0]}
         timing = {"jobs": min(jobs, 2), "wall_clock_s": wall_s,
                   **{f"{lg}_wall_clock_s": done[lg]["wall_s"] for lg in LOGICS}}
-        result = _write_compare(tmp, scenario, timing, verify_reproducers)
+        try:
+            result = _write_compare(tmp, scenario, timing, verify_reproducers)
+            dest = target if result.status == "ok" or not previous else \
+                target.parent / f"{target.name}.failed"
+            move_into_place(tmp, dest)
+        except OSError as exc:
+            raise out_error(target, exc) from None
+    except KeyboardInterrupt as exc:
+        abort()
+        kept = f"previous {target} kept" if previous else f"nothing written to {target}"
+        raise Interrupted(signal_of(exc), kept) from None
     except BaseException:
         abort()
         raise
 
-    move_into_place(tmp, target)
-    result.path = target
-    result.runs = {lg: target / lg for lg in LOGICS}
+    result.path = dest
+    result.runs = {lg: dest / lg for lg in LOGICS}
     result.errors = {lg: str(done[lg]["traceback"]) for lg in LOGICS if done[lg].get("traceback")}
+    result.kept = target if dest != target else None
     return result
+
+
+def default_target(name: str) -> Path:
+    """Where ``kvsim compare`` writes by default: ``results/<name>-compare``, beside the
+    run folder ``results/<name>`` (never inside it)."""
+    return Path("results") / f"{name}-compare"
 
 
 # -- figures of one run -----------------------------------------------------------------
@@ -603,10 +648,7 @@ def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any
     write_json_atomic(folder / "compare.json", clean_floats(figures))
 
     save_figure(old_vs_new(folder, runs=runs, figures=figures), folder / "compare.png")
-    text = markdown_report(clean_floats(figures))
-    tmp = folder / ".compare.md.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, folder / "compare.md")
+    write_text_atomic(folder / "compare.md", markdown_report(clean_floats(figures)))
     return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS},
                          figures=clean_floats(figures), diverged=diverged, status=status)
 

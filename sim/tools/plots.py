@@ -45,6 +45,7 @@ import math
 import numbers
 import os
 import re
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
@@ -52,8 +53,17 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 import numpy as np
 import pyarrow.parquet as pq
 
+from sim.engine.metrics import percentile
 from sim.errors import InputError
-from sim.io.results import RunResults, load_results
+from sim.io.results import (
+    RunResults,
+    clean_leftovers,
+    load_results,
+    make_folder,
+    out_error,
+    remove_created,
+    temp_beside,
+)
 from sim.tools.sweep import SweepResults, load_sweep
 
 if TYPE_CHECKING:
@@ -124,6 +134,10 @@ EVENT_COLOURS: dict[str, str] = {"crash": "#d62728", "hazard": "#ff7f0e", "integ
 _CYCLE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
           "#bcbd22", "#17becf")
 _STYLES = ("-", "--", ":", "-.")
+#: line styles that tell lines of one colour apart (named, then dash patterns), see :func:`_line_style`
+_DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (8, 2, 2, 2, 2, 2)), (0, (1, 1)), (0, (6, 1.5)),
+                            (0, (3, 1, 1, 1)), (0, (10, 3)), (0, (3, 4, 1, 4)), (0, (1, 3)),
+                            (0, (6, 2, 1, 2, 1, 2)))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 _LOGIC_NAMES = {"old": "OLD (vLLM 0.29.0)", "new": "NEW (vLLM 0.30.0)"}
@@ -196,6 +210,59 @@ def run_title(scenario: dict[str, Any], logic: str | None = None) -> str:
     return f"{name}: {model} on {hw}, {wl}, {lg}{tail}"
 
 
+def run_status(summary: dict[str, Any]) -> str | None:
+    """``None`` for a run that finished, else one line saying it did not (for a title):
+    ``"FAILED (RuntimeError: ...) after 3 requests, 12.5 s simulated: partial data"``,
+    or ``INTERRUPTED`` when the error is a Ctrl-C / termination."""
+    if summary.get("status", "ok") == "ok":
+        return None
+    error = str(summary.get("error") or "no error recorded").splitlines()[0]
+    word = "INTERRUPTED" if error.split(":")[0].strip() in ("KeyboardInterrupt", "SystemExit") else "FAILED"
+    if len(error) > 70:
+        error = error[:67] + "..."
+    prog = summary.get("progress") or {}
+    done = prog.get("requests_finished")
+    at = prog.get("sim_time_s")
+    tail = ""
+    if done is not None and at is not None:
+        tail = f" after {_n(int(done), 'finished request')}, {float(at):.1f} s simulated"
+    return f"run {word} ({error}){tail}: partial data"
+
+
+def _run_suptitle(res: RunResults, logic: str | None = None) -> str:
+    """:func:`run_title`, plus a second line when the run failed or was interrupted."""
+    status = run_status(res.summary)
+    head = run_title(res.scenario, logic)
+    return head if status is None else f"{head}\n{status}"
+
+
+def _n(count: int, noun: str) -> str:
+    """``"1 request"``, ``"1,024 requests"``."""
+    return f"{count:,} {noun if count == 1 else noun + 's'}"
+
+
+def _duration(seconds: float) -> str:
+    """A duration as the run summary prints it: ms below 10 s, s from 10 s on."""
+    return f"{seconds:.2f} s" if seconds >= 10 else f"{1000 * seconds:.1f} ms"
+
+
+def _p50_text(xs: Any) -> str:
+    """``", p50 123.4 ms"``: the median exactly as ``summary.json``'s ``ttft_s.p50`` (linear
+    interpolation between the two middle samples, :func:`sim.engine.metrics.percentile`)."""
+    if not len(xs):
+        return ""
+    p50 = percentile([float(x) for x in xs], 50)
+    return "" if p50 is None else f", p50 {_duration(p50)}"
+
+
+def _line_style(i: int) -> Any:
+    """The ``i``-th distinct line style (named styles, then dash patterns; never repeats)."""
+    if i < len(_DASHES):
+        return _DASHES[i]
+    k = i - len(_DASHES)
+    return (0, (2 + k, 2, 1, 2))
+
+
 def _gib(nbytes: float) -> str:
     v = nbytes / _GIB
     return f"{v:g} GiB" if abs(v - round(v)) < 1e-9 or v >= 100 else f"{v:.3g} GiB"
@@ -218,12 +285,16 @@ def _nice_step(span: float, target: int) -> float:
 
 
 def _ttft_s(requests: Any) -> Any:
-    """Sorted TTFT samples (s) of the requests that got a first token."""
+    """Sorted TTFT samples (s): the finished requests with a first token, the samples of
+    ``summary.json``'s ``ttft_s`` (every request with a first token when the table has no
+    ``status`` column)."""
     if len(requests) == 0:
         return np.empty(0)
     ft = requests["first_token_s"].to_numpy(dtype=float, na_value=np.nan)
     arr = requests["arrival_s"].to_numpy(dtype=float)
     ok = ~np.isnan(ft)
+    if "status" in requests.columns:
+        ok &= (requests["status"].astype(str) == "finished").to_numpy()
     return np.sort(ft[ok] - arr[ok])
 
 
@@ -276,7 +347,9 @@ def occupancy(run: RunResults | str | Path) -> Figure:
     Top: stacked share of the capacity (present and idle, present and being
     read by a load, pending store, free), in % of capacity. Bottom: the chunks
     in flight (pending store, being loaded) in chunks, on their own scale,
-    since they are a small part of the capacity.
+    since they are a small part of the capacity. Both are drawn as steps
+    (``steps-post``): a sample's value holds until the next sample, so an
+    idle gap shows the state as it was, not a ramp between two samples.
 
     Args:
         run: a :class:`~sim.io.results.RunResults` or a run folder.
@@ -297,11 +370,16 @@ def occupancy(run: RunResults | str | Path) -> Figure:
         share = [100.0 * a / np.where(cap > 0, cap, 1) for a in (present, loading, pending, free)]
         labels = ["present, idle", "present, being loaded (H2D)", "pending store (D2H in flight)", "free"]
         colours = [STATE_COLOURS[k] for k in ("present", "loading", "pending", "free")]
-        top.stackplot(t, *share, labels=labels, colors=colours, linewidth=0)
+        lower = np.zeros(len(t))
+        for values, label, colour in zip(share, labels, colours, strict=True):
+            upper = lower + values
+            top.fill_between(t, lower, upper, step="post", label=label, color=colour, linewidth=0)
+            lower = upper
         top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="chunk state")
         for values, state, name in ((pending, "pending", "pending store"),
                                     (loading, "loading", "being loaded")):
-            bottom.plot(t, values, color=STATE_COLOURS[state], label=f"{name} (max {int(values.max()):,})")
+            bottom.plot(t, values, color=STATE_COLOURS[state], drawstyle="steps-post",
+                        label=f"{name} (max {int(values.max()):,})")
         bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="in flight")
         bottom.set_ylim(bottom=0)
         top.set_xlim(0, t.max())
@@ -317,7 +395,7 @@ def occupancy(run: RunResults | str | Path) -> Figure:
     top.set_title(title)
     bottom.set_ylabel("chunks in flight (count)")
     bottom.set_xlabel("simulated time (s)")
-    fig.suptitle(run_title(res.scenario))
+    fig.suptitle(_run_suptitle(res))
     return fig
 
 
@@ -378,14 +456,16 @@ def link_utilisation(run: RunResults | str | Path, bins: int = 120) -> Figure:
     ax.set_ylabel(f"link busy (% of each {width:g} s bin)")
     ax.legend(loc="upper right")
     ax.set_title(f"GPU↔CPU link utilisation per {width:g} s bin")
-    fig.suptitle(run_title(res.scenario))
+    fig.suptitle(_run_suptitle(res))
     return fig
 
 
 @_styled
 def ttft_cdf(runs: Sequence[RunResults | str | Path] | RunResults | str | Path,
              labels: Sequence[str] | None = None, title: str | None = None) -> Figure:
-    """TTFT CDF of one or more runs (requests that got a first token).
+    """TTFT CDF of one or more runs (finished requests with a first token, as the
+    summary counts them). The legend gives each run's p50 exactly as the summary's
+    ``ttft_s.p50`` (linear interpolation). A failed or interrupted run is named so.
 
     Args:
         runs: runs or run folders (or a single one).
@@ -404,19 +484,21 @@ def ttft_cdf(runs: Sequence[RunResults | str | Path] | RunResults | str | Path,
     fig = _figure(7.5, 4.4)
     ax = fig.subplots()
     samples = [_ttft_s(r.requests) for r in loaded]
-    for i, (xs, label) in enumerate(zip(samples, labels, strict=True)):
-        med = f", median {xs[len(xs) // 2]:.3g} s" if len(xs) else ""
-        _draw_cdf(ax, xs, color=_CYCLE[i % len(_CYCLE)], linestyle=_STYLES[(i // len(_CYCLE)) % 4],
-                  label=f"{label}: {len(xs):,} requests{med}")
+    for i, (xs, label, res) in enumerate(zip(samples, labels, loaded, strict=True)):
+        failed = "" if run_status(res.summary) is None else " (run FAILED: partial)"
+        _draw_cdf(ax, xs, color=_CYCLE[i % len(_CYCLE)], linestyle=_line_style(i // len(_CYCLE)),
+                  label=f"{label}{failed}: {_n(len(xs), 'request')}{_p50_text(xs)}")
     _cdf_axes(ax, samples)
     if ax.lines:
         ax.legend(loc="lower right")
     else:
         _note(ax, "no request got a first token")
-    ax.set_title("TTFT distribution")
+    ax.set_title("TTFT distribution (finished requests)")
     if title is None:
-        title = run_title(loaded[0].scenario) if len(loaded) == 1 else f"TTFT of {len(loaded)} runs"
-    fig.suptitle(title)
+        title = _run_suptitle(loaded[0]) if len(loaded) == 1 else f"TTFT of {_n(len(loaded), 'run')}"
+    notes = [f"{lab}: {st}" for lab, r in zip(labels, loaded, strict=True)
+             if (st := run_status(r.summary)) is not None and not (len(loaded) == 1 and st in title)]
+    fig.suptitle("\n".join([title, *notes]))
     return fig
 
 
@@ -506,8 +588,8 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
         _draw_cdf(ax, ttft[other], color="#b0b0b0", linewidth=1.0, linestyle="--",
                   label=f"{other.upper()} (for reference)")
         xs = ttft[lg]
-        med = f", median {xs[len(xs) // 2]:.3g} s" if len(xs) else ""
-        _draw_cdf(ax, xs, color=LOGIC_COLOURS[lg], label=f"{lg.upper()}: {len(xs):,} requests{med}")
+        _draw_cdf(ax, xs, color=LOGIC_COLOURS[lg],
+                  label=f"{lg.upper()}: {_n(len(xs), 'request')}{_p50_text(xs)}")
         _cdf_axes(ax, list(ttft.values()))
         ax.set_title(f"{_LOGIC_NAMES[lg]}: TTFT distribution")
         ax.legend(loc="lower right")
@@ -523,7 +605,9 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
         differ = f"{div['outcome']} with a different outcome, {div['timing_only']} in timing only"
     else:  # a compare.json written before the split
         differ = f"{div.get('count', '?')} diverging"
-    fig.suptitle(f"{head}\nsame {div.get('requests', '?')} requests, {differ}")
+    notes = [f"{lg.upper()} {st}" for lg in ("old", "new")
+             if (st := run_status(runs[lg].summary)) is not None]
+    fig.suptitle("\n".join([f"{head}", f"same {div.get('requests', '?')} requests, {differ}", *notes]))
     return fig
 
 
@@ -677,12 +761,29 @@ def knee(x: Sequence[float] | Any, y: Sequence[float] | Any, *, curve: str = "co
     return float(xs[i]) if gap[i] > 1e-9 else None
 
 
-def _series(df: Any, keys: list[str]) -> list[tuple[str, Any, dict[str, Any]]]:
-    """(legend label, rows, line style) per combination of ``keys``, sorted by value.
+def _palette(n: int) -> list[str]:
+    """``n`` distinct colours: the fixed cycle, then tab20, then evenly spaced viridis."""
+    if n <= len(_CYCLE):
+        return list(_CYCLE[:n])
+    from matplotlib import colormaps  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+    from matplotlib.colors import to_hex  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
-    Colour: the policy's when the policy is constant or one of the keys, else
-    one colour per combination; line style and marker: per combination of the
-    other keys.
+    if n <= 20:
+        return [to_hex(colormaps["tab20"](i)) for i in range(n)]
+    return [to_hex(c) for c in colormaps["viridis"](np.linspace(0.0, 0.92, n))]
+
+
+def _series(df: Any, keys: list[str], style_key: str | None = None
+            ) -> list[tuple[str, Any, dict[str, Any], tuple[str, str]]]:
+    """(legend label, rows, line style, (colour label, style label)) per combination of
+    ``keys``, sorted by value. No two series get the same (colour, line style).
+
+    With ``style_key`` among the keys (the CPU cache size in ``ttft_cdfs``): its
+    values get the line styles (in sorted order) and the other keys the colours
+    (the policy's own colour when the policy is all they are). Otherwise the
+    colour is the policy's when the policy is constant or one of the keys, the
+    other keys getting the line styles and markers; without a policy, one
+    colour per combination.
     """
     combos: dict[tuple[str, ...], list[int]] = {}
     for i in range(len(df)):
@@ -696,44 +797,70 @@ def _series(df: Any, keys: list[str]) -> list[tuple[str, Any, dict[str, Any]]]:
         return tuple(out)
 
     items = sorted(combos.items(), key=sort_key)
-    by_policy = "cpu_cache_policy" in df.columns and (
+    has_policy = "cpu_cache_policy" in df.columns and (
         "cpu_cache_policy" in keys or df["cpu_cache_policy"].astype(str).nunique() == 1)
-    rest = [k for k in keys if k != "cpu_cache_policy"] if by_policy else list(keys)
-    rest_index: dict[tuple[str, ...], int] = {}
+    if style_key is not None and style_key in keys:
+        style_keys = [style_key]
+        colour_keys = [k for k in keys if k != style_key]
+    elif has_policy:
+        colour_keys = [k for k in keys if k == "cpu_cache_policy"]
+        style_keys = [k for k in keys if k != "cpu_cache_policy"]
+    else:
+        colour_keys, style_keys = list(keys), []
+    by_policy = has_policy and all(k == "cpu_cache_policy" for k in colour_keys)
+    colour_index: dict[tuple[str, ...], int] = {}
+    style_index: dict[tuple[str, ...], int] = {}
+    for _combo, rows in items:
+        colour_index.setdefault(tuple(str(df[k].iloc[rows[0]]) for k in colour_keys), len(colour_index))
+    palette = _palette(len(colour_index))
+    used: set[tuple[str, int]] = set()
     out = []
-    for n, (_combo, rows) in enumerate(items):
+    for _combo, rows in items:
         first = rows[0]
         label = ", ".join(_key_value(k, df[k].iloc[first]) for k in keys) or "all points"
-        r = tuple(str(df[k].iloc[first]) for k in rest)
-        j = rest_index.setdefault(r, len(rest_index))
+        ckey = tuple(str(df[k].iloc[first]) for k in colour_keys)
+        skey = tuple(str(df[k].iloc[first]) for k in style_keys)
+        j = style_index.setdefault(skey, len(style_index))
         if by_policy:
-            pol = str(df["cpu_cache_policy"].iloc[first]).lower()
-            style = {"color": POLICY_COLOURS.get(pol, _CYCLE[2]), "linestyle": _STYLES[j % 4],
-                     "marker": _MARKERS[j % len(_MARKERS)]}
+            colour = POLICY_COLOURS.get(str(df["cpu_cache_policy"].iloc[first]).lower(), _CYCLE[2])
         else:
-            style = {"color": _CYCLE[n % len(_CYCLE)], "linestyle": _STYLES[(n // len(_CYCLE)) % 4],
-                     "marker": _MARKERS[n % len(_MARKERS)]}
-        out.append((label, df.iloc[rows], style))
+            colour = palette[colour_index[ckey]]
+        while (colour, j) in used:   # rows no key tells apart: never two lines alike
+            j += 1
+        used.add((colour, j))
+        style = {"color": colour, "linestyle": _line_style(j), "marker": _MARKERS[j % len(_MARKERS)]}
+        names = (", ".join(_key_value(k, df[k].iloc[first]) for k in colour_keys) or "all points",
+                 ", ".join(_key_value(k, df[k].iloc[first]) for k in style_keys))
+        out.append((label, df.iloc[rows], style, names))
     return out
 
 
-def _size_axis(ax: Any, sizes: Any) -> bool:
-    """x axis in GiB, log2 when the sizes span 4x or more; ticks at (thinned) swept sizes."""
+def _size_axis(ax: Any, sizes: Any) -> tuple[bool, float | None]:
+    """x axis in GiB, log2 when the non-zero sizes span 4x or more; ticks at (thinned)
+    swept sizes. Returns (log, where 0 GiB is drawn: two octaves left of the smallest
+    size, on a log axis with a 0 among the sizes; else None)."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
 
     u = np.unique(sizes)
-    log = len(u) > 1 and u.min() > 0 and u.max() / u.min() >= 4
+    pos = u[u > 0]
+    log = len(pos) > 1 and pos.max() / pos.min() >= 4
+    zero_x: float | None = None
     if log:
         ax.set_xscale("log", base=2)
-        step = max(1, math.ceil(len(u) / 8))
-        ticks = u[::step]
-        ax.xaxis.set_major_locator(FixedLocator([float(v) for v in ticks]))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        step = max(1, math.ceil(len(pos) / 8))
+        ticks = [float(v) for v in pos[::step]]
+        if (u == 0).any():
+            zero_x = float(pos.min()) / 4
+            ticks = [zero_x, *ticks]
+            ax.axvline(float(pos.min()) / 2, color="#999999", linewidth=0.8, linestyle=(0, (2, 2)),
+                       gid="zero-break")
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: "0" if v == zero_x else f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("CPU cache size (GiB, log scale)")
+        ax.set_xlabel("CPU cache size (GiB, log scale" + ("; 0 left of the dotted line)" if zero_x else ")"))
     else:
         ax.set_xlabel("CPU cache size (GiB)")
-    return bool(log)
+    return bool(log), zero_x
 
 
 def _annotate_knees(ax: Any, knees: list[tuple[float, float, str, str]], log: bool, named: bool,
@@ -767,10 +894,13 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
 
     One line per eviction policy and per combination of the other parameters
     that vary between points (model, workload, logic, any swept key; the
-    legend names them). Points that differ only by seed are averaged, with
-    their min..max as a band. The :func:`knee` of each line (concave, on the
-    x scale drawn) is marked with a ring and "knee: N GiB". Failed points are
-    skipped and named in the title.
+    legend, outside the panels, names them). Points that differ only by seed
+    are averaged, with their min..max as a band. The x axis is log2 when the
+    non-zero sizes span 4x or more; a 0 GiB point is then drawn apart, as a
+    marker left of a dotted line, not joined to the line. The :func:`knee` of
+    each line (concave, on the x scale drawn, over the non-zero sizes) is
+    marked with a ring and "knee: N GiB". Failed points are skipped and named
+    in the title.
 
     Args:
         sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame.
@@ -785,11 +915,12 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
               ("recompute_saved", "recompute saved (% of prefill work)", "recompute saved"))
     series = _series(df, keys) if len(df) else []
     annotate = len(series) <= 3
-    log = False
+    all_sizes = df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB if len(df) else np.empty(0)
     for ax, (col, ylabel, name) in zip(axes, panels, strict=True):
         top = 0.0
         knees: list[tuple[float, float, str, str]] = []
-        for label, rows, style in series:
+        log, zero_x = _size_axis(ax, all_sizes) if series else (False, None)
+        for label, rows, style, _names in series:
             x = rows["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB
             y = 100.0 * rows[col].to_numpy(dtype=float)
             ux = np.unique(x)
@@ -797,19 +928,25 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
             if seeds:
                 lo = np.array([y[x == v].min() for v in ux])
                 hi = np.array([y[x == v].max() for v in ux])
-                ax.fill_between(ux, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+                keep = ux > 0 if zero_x is not None else np.ones(len(ux), dtype=bool)
+                ax.fill_between(ux[keep], lo[keep], hi[keep], color=style["color"], alpha=0.15, linewidth=0)
+            if zero_x is not None:
+                at0 = ux == 0
+                if at0.any():
+                    ax.plot([zero_x], mean[at0], linestyle="none", marker=style["marker"],
+                            color=style["color"], markersize=5, gid="zero-gib", label="_zero")
+                ux, mean = ux[~at0], mean[~at0]
             ax.plot(ux, mean, label=label, markersize=4, **style)
             top = max(top, float(np.nanmax(mean)) if len(mean) else 0.0)
-            log = _size_axis(ax, df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB)
-            k = knee(ux, mean, log_x=log)
+            k = knee(ux, mean, log_x=log) if len(ux) and (not log or ux.min() > 0) else None
             if k is None:
                 continue
             ky = float(mean[ux == k][0])
             ax.plot([k], [ky], linestyle="none", marker="o", markersize=11, markerfacecolor="none",
                     markeredgecolor=style["color"], markeredgewidth=1.5)
             knees.append((k, ky, style["color"], label))
-        if annotate:
-            sizes = df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB
+        if annotate and series:
+            sizes = all_sizes[all_sizes > 0] if zero_x is not None else all_sizes
             _annotate_knees(ax, knees, log, len(series) > 1, sizes)
         if not series:
             _note(ax, "no finished point to plot")
@@ -832,11 +969,17 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
 def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     """TTFT CDF of every finished point of a sweep (from each point's ``requests.parquet``).
 
+    Policies (and any other varying parameter) differ by colour, CPU cache sizes
+    by line style, so no two lines look alike. Up to 14 lines the legend names
+    each line; beyond, it names the colours and the line styles once each.
+
     Args:
         sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame (then
             ``root`` is the folder its ``run_dir`` values are relative to).
         root: see ``sweep``.
     """
+    from matplotlib.lines import Line2D  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+
     table, folder, sweep_name = _read_sweep(sweep)
     base = folder if folder is not None else Path(root) if root is not None else Path()
     df, skipped = _ok_points(table)
@@ -844,32 +987,36 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     fig = _figure(10.0, 4.8)
     ax = fig.subplots()
     samples = []
-    series = _series(df, keys) if len(df) else []
-    many = len(df) > 10
-    cmap_colours = None
-    if many:
-        from matplotlib import colormaps  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
-
-        cmap_colours = colormaps["viridis"](np.linspace(0.0, 0.9, len(df)))
-    n = 0
-    for label, rows, style in series:
+    series = _series(df, keys, style_key="cpu_cache_bytes") if len(df) else []
+    colours: dict[str, str] = {}
+    styles: dict[str, Any] = {}
+    for label, rows, style, (colour_name, style_name) in series:
         for j in range(len(rows)):
             row = rows.iloc[j]
-            req = pq.read_table(base / str(row["run_dir"]) / "requests.parquet",
-                                columns=["arrival_s", "first_token_s"]).to_pandas()
+            path = base / str(row["run_dir"]) / "requests.parquet"
+            wanted = [c for c in ("arrival_s", "first_token_s", "status") if c in pq.read_schema(path).names]
+            req = pq.read_table(path, columns=wanted).to_pandas()
             xs = _ttft_s(req)
             samples.append(xs)
-            colour = cmap_colours[n] if cmap_colours is not None else style["color"]
             lab = label if len(rows) == 1 else f"{label} ({row.get('run_id', j)})"
-            _draw_cdf(ax, xs, color=colour, linestyle=style["linestyle"], linewidth=1.3, label=lab)
-            n += 1
+            _draw_cdf(ax, xs, color=style["color"], linestyle=style["linestyle"], linewidth=1.3, label=lab)
+        colours.setdefault(colour_name, style["color"])
+        if style_name:
+            styles.setdefault(style_name, style["linestyle"])
     _cdf_axes(ax, samples)
-    if ax.lines:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=2 if len(ax.lines) > 14 else 1,
-                  title=", ".join(_key_name(k) for k in keys) or None)
+    legend_title = ", ".join(_key_name(k) for k in keys) or None
+    if ax.lines and len(ax.lines) <= 14:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title=legend_title)
+    elif ax.lines:
+        handles = [Line2D([], [], color=c, label=name) for name, c in colours.items()]
+        handles += [Line2D([], [], color="#555555", linestyle=ls, label=name) for name, ls in styles.items()]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  ncol=2 if len(handles) > 16 else 1,
+                  title="colour: " + (", ".join(_key_name(k) for k in keys if k != "cpu_cache_bytes") or "-")
+                  + ("\nline style: CPU cache" if styles else ""))
     else:
         _note(ax, "no finished point to plot")
-    ax.set_title("TTFT distribution per point")
+    ax.set_title("TTFT distribution per point (finished requests)")
     fig.suptitle(_sweep_title(df, sweep_name, "TTFT CDF of every point", keys, skipped))
     return fig
 
@@ -909,20 +1056,78 @@ def write_plots(folder: str | Path, out: str | Path | None = None,
         out: where the PNGs go (default ``<folder>/plots``).
         on_note: called with one line per thing left out (failed sweep points).
 
+    The figures are drawn into a hidden folder beside ``out``
+    (``.<name>.tmp-<pid>``) and moved into ``out`` one by one only when all
+    are drawn: a plot that fails or is interrupted leaves the previous
+    figures as they were, and files in ``out`` that plot does not write are
+    never touched.
+
     Returns:
         the files written, in the order above.
 
     Raises:
-        InputError: ``folder`` is not a results folder.
+        InputError: ``folder`` is not a results folder, or ``out`` cannot be
+            written (one ``--out`` line; nothing is left half written).
     """
     src = Path(folder)
     kind = folder_kind(src)
     dst = Path(out) if out is not None else src / "plots"
-    written: list[Path] = []
+    tmp, created = _plots_temp(dst)
+    names: list[str] = []
 
     def put(name: str, fig: Figure) -> None:
-        written.append(save_figure(fig, dst / name))
+        try:
+            save_figure(fig, tmp / name)
+        except OSError as exc:
+            raise out_error(dst, exc) from None
+        names.append(name)
 
+    try:
+        _draw_all(src, kind, put, on_note)
+        written = _move_plots(tmp, dst, names)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous plots stay as they were
+        remove_created(created)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _plots_temp(dst: Path) -> tuple[Path, list[Path]]:
+    """The hidden folder beside ``dst`` the figures are drawn into (and the folders made for it).
+
+    Raises:
+        InputError: ``dst`` is a file, or cannot be created.
+    """
+    if dst.exists() and not dst.is_dir():
+        raise InputError("argument", "--out", f"{dst}: exists and is not a folder", "a writable folder")
+    created = make_folder(dst.parent, dst)
+    clean_leftovers(dst.parent)
+    tmp = temp_beside(dst)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        remove_created(created)
+        raise out_error(dst, exc) from None
+    return tmp, created
+
+
+def _move_plots(tmp: Path, dst: Path, names: list[str]) -> list[Path]:
+    """Move the finished figures into ``dst``, file by file (other files there stay)."""
+    try:
+        dst.mkdir(exist_ok=True)
+        for name in names:
+            os.replace(tmp / name, dst / name)
+    except OSError as exc:
+        raise out_error(dst, exc) from None
+    return [dst / name for name in names]
+
+
+def _draw_all(src: Path, kind: str, put: Callable[[str, Figure], None],
+              on_note: Callable[[str], None] | None) -> None:
+    """Draw every figure of a folder of this kind, handing each to ``put`` (see :func:`write_plots`)."""
     if kind == "run":
         run = _load_run(src)
         put("occupancy.png", occupancy(run))
@@ -943,7 +1148,6 @@ def write_plots(folder: str | Path, out: str | Path | None = None,
             on_note(f"{src}: {len(skipped)} failed point(s) skipped in the plots: {', '.join(skipped)}")
         put("hit_rate_vs_cpu.png", hit_rate_vs_cpu(src))
         put("ttft_cdfs.png", ttft_cdfs(src))
-    return written
 
 
 # -- checking a figure --------------------------------------------------------------------

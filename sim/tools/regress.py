@@ -4,11 +4,17 @@ Every ``check/1`` file under a directory (subfolders included, e.g. the
 fuzzer's ``fuzz/``) is a regression case: its stated
 expectations under OLD and/or NEW must hold. A case without expectations is
 itself a failure (a case that cannot fail guards nothing).
+
+One bad case never stops the others: a case that fails validation (bad
+input, :class:`~sim.errors.InputError`) or whose evaluation raises is
+reported as an error of that case (``error``; ``bad_input`` tells the two
+apart) and the library goes on; the caller fails at the end.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +35,8 @@ class CaseResult:
     outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
     mismatches: dict[str, list[str]] = field(default_factory=dict)
     error: str | None = None
+    #: the error is bad input (the case does not validate), not a failure of its evaluation
+    bad_input: bool = False
 
     @property
     def ok(self) -> bool:
@@ -36,18 +44,26 @@ class CaseResult:
 
 
 def run_case(path: Path) -> CaseResult:
-    """Run one library file."""
+    """Run one library file; never raises for a bad or failing case (see the module docstring)."""
     res = CaseResult(path)
     try:
         _, items = load_check_file(path)
         sc = parse_check(items[0], str(path))
     except InputError as exc:
-        res.error = str(exc)
+        res.error, res.bad_input = str(exc), True
         return res
     if not sc.expect:
         res.error = f"{path}: no [expect.old] or [expect.new]: a case must state its outcome"
+        res.bad_input = True
         return res
-    res.outcomes, res.mismatches = evaluate(sc, str(path))
+    try:
+        res.outcomes, res.mismatches = evaluate(sc, str(path))
+    except InputError as exc:
+        res.error, res.bad_input = str(exc), True
+    except Exception as exc:  # one case's failure must not stop the library
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        res.error = (f"{path}: evaluating the case raised {type(exc).__name__}: {exc} "
+                     f"(at {Path(where.filename).name}:{where.lineno})")
     return res
 
 

@@ -5,33 +5,153 @@ scenario for the engine's configuration and request stream, streams the
 engine's rows into a :class:`~sim.io.results.RunWriter`'s temporary folder,
 writes the reproducers of modelled crashes (each checked in isolation with
 :func:`~sim.io.check.run_check`), and always finishes the folder with a
-``summary.json`` (status ``"ok"`` or ``"failed"``).
+``summary.json`` (status ``"ok"``, ``"failed"`` or ``"interrupted"``).
+
+Signals and worker processes (shared by run, compare and sweep)
+    :func:`interruptible` turns SIGINT and SIGTERM into :class:`Interrupted`
+    (a ``KeyboardInterrupt`` that knows its signal; the command exits
+    ``128 + signal``: 130, 143); :func:`worker_init` makes a pool worker
+    leave Ctrl-C to its parent and die with it (``PR_SET_PDEATHSIG`` on
+    Linux, and a thread that watches the parent's pid everywhere), and
+    :func:`stop_pool` ends a pool's workers at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from sim.engine.loop import simulate
-from sim.engine.metrics import Recorder
+from sim.engine.metrics import TABLES, Recorder
 from sim.errors import InputError
 from sim.io.check import write_reproducers
-from sim.io.results import ParquetSink, RunWriter, clean_floats
+from sim.io.results import ParquetSink, RunWriter, clean_floats, out_error
 from sim.io.scenario import RunSpec
 from sim.io.workload import Request
 
-__all__ = ["RunOutcome", "execute"]
+__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "signal_name", "signal_of", "stop_pool",
+           "worker_init"]
+
+
+# -- signals and worker processes --------------------------------------------------------
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (raised by :func:`interruptible`'s handler).
+
+    Attributes:
+        signum: the signal.
+        kept: what the interrupted command left, in words ("previous results/x kept"),
+            set by the code that cleaned up; empty when nothing is known.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT, kept: str = "") -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+        self.kept = kept
+
+
+def signal_of(exc: BaseException) -> int:
+    """The signal behind a ``KeyboardInterrupt`` (SIGINT unless it is an :class:`Interrupted`)."""
+    return exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGINT"``, ``"SIGTERM"``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (in this block).
+
+    Only the first signal raises: later ones are ignored while the command
+    cleans up (it ends soon after). Outside the main thread nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if fired:
+            return
+        fired = True
+        raise Interrupted(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+#: prctl option: the signal a process gets when its parent dies
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_init(parent_pid: int) -> None:
+    """Initializer of pool workers: leave Ctrl-C to the parent, die with it.
+
+    On Linux the kernel sends SIGKILL when the parent dies
+    (``PR_SET_PDEATHSIG``); everywhere a daemon thread checks twice a second
+    that the parent is still the same process and ends this one otherwise.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="kvsim-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> None:
+    """End a pool now: terminate its workers, wait for them (kill after ``timeout_s``)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.terminate()
+    with contextlib.suppress(Exception):
+        pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
 
 
 # -- one run, start to finish ------------------------------------------------------------
@@ -83,11 +203,16 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     """Run a scenario and write its folder: resolve -> build -> simulate -> finalize.
 
     The engine's rows stream into the temporary folder; at the end the
-    summary files are written and the folder is renamed onto the target. If
-    the simulation raises, the folder still gets ``summary.json`` with status
-    ``"failed"`` and the error message (and ``KeyboardInterrupt`` and the like
-    are re-raised after that). Bad input found while running (a bad trace
-    line: :class:`InputError`) leaves nothing behind and is re-raised.
+    summary files are written and the folder is moved into place (the
+    target, or beside a previous result: see :class:`~sim.io.results.RunWriter`).
+    If the simulation raises, the folder still gets ``summary.json`` with
+    status ``"failed"`` and the error message. On ``KeyboardInterrupt``
+    (Ctrl-C, or SIGTERM through :func:`interruptible`) the rows of what did
+    finish are written, the folder gets status ``"interrupted"``, and the
+    interrupt is re-raised (``writer.published`` says where the folder went).
+    Bad input found while running (a bad trace line: :class:`InputError`)
+    and an output that cannot be written (a full disk: an ``--out``
+    :class:`InputError`) leave nothing behind and are raised.
 
     Args:
         spec: the validated scenario.
@@ -109,34 +234,58 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
             progress(finished, sim_time_s)
 
     started, t0 = time.time(), time.perf_counter()
-    folder = writer.start()
-    sink = ParquetSink(folder)
+    sink: ParquetSink | None = None
+    recorder: Recorder | None = None
     try:
-        result = simulate(config, requests, Recorder(sink), progress=on_progress)
+        sink = ParquetSink(writer.start())
+        recorder = Recorder(sink)
+        result = simulate(config, requests, recorder, progress=on_progress)
         sink.close()
     except BaseException as exc:
         bad_input = exc if isinstance(exc, InputError) else requests.error
-        if bad_input is not None:  # a bad trace line: bad input, nothing is left behind
-            _close_quietly(sink)
+        if bad_input is None and sink is not None and sink.error is not None:
+            bad_input = out_error(writer.target, sink.error)  # a full disk: the output failed, not the run
+        if bad_input is not None or sink is None:  # nothing is left behind
+            if sink is not None:
+                _close_quietly(sink)
             writer.abort()
+            if bad_input is None:
+                raise
             raise bad_input from None
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if interrupted and recorder is not None:
+            _flush_quietly(recorder)
         _close_quietly(sink)
-        summary = {"run": header, "error": traceback.format_exception_only(exc)[-1].strip(),
-                   "progress": dict(last)}
+        status = "interrupted" if interrupted else "failed"
+        error = (f"interrupted ({signal_name(signal_of(exc))})" if interrupted
+                 else traceback.format_exception_only(exc)[-1].strip())
+        summary: dict[str, Any] = {"run": header, "error": error, "progress": dict(last)}
+        if recorder is not None:
+            summary["rows"] = dict(recorder.rows_written)
+            if interrupted:  # progress is reported every 100 requests; the table has them all
+                last["requests_finished"] = max(last["requests_finished"], recorder.rows_written["requests"])
+                summary["progress"] = dict(last)
         info = _run_info(started, time.perf_counter() - t0, argv, int(last["requests_finished"]))
-        target = writer.finish("failed", summary, scenario_toml, info)
+        target = writer.finish(status, summary, scenario_toml, info)
         if not isinstance(exc, Exception):
             raise
         return RunOutcome("failed", target, {**summary, "status": "failed"}, exc)
-    figures = result.summary.figures()
-    summary = {"run": header, "end": result.status, **figures}
-    if result.reproducers:
-        summary["reproducers"] = write_reproducers(folder / "reproducers", result.reproducers)
-    bad = spec.bad_lines
-    if bad is not None:   # workload.skip_bad: never silently dropped
-        summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
-    info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
-    target = writer.finish("ok", summary, scenario_toml, info)
+    try:
+        figures = result.summary.figures()
+        summary = {"run": header, "end": result.status, **figures}
+        if result.reproducers:
+            try:
+                summary["reproducers"] = write_reproducers(writer.folder / "reproducers", result.reproducers)
+            except OSError as exc:
+                raise out_error(writer.target, exc) from None
+        bad = spec.bad_lines
+        if bad is not None:   # workload.skip_bad: never silently dropped
+            summary["workload"] = {"bad_lines_skipped": bad.count, "bad_line_examples": list(bad.examples)}
+        info = _run_info(started, time.perf_counter() - t0, argv, int(figures["requests"]["finished"]))
+        target = writer.finish("ok", summary, scenario_toml, info)
+    except BaseException:
+        writer.abort()  # interrupted (or the output failed) while finishing: nothing is left
+        raise
     return RunOutcome("ok", target, {**clean_floats(summary), "status": "ok"})
 
 
@@ -168,3 +317,28 @@ def _close_quietly(sink: ParquetSink) -> None:
     """Close after a failure; the run's own error is the one to report."""
     with contextlib.suppress(Exception):
         sink.close()
+
+
+def _flush_quietly(recorder: Recorder) -> None:
+    """Hand the buffered rows of an interrupted run to the sink, table by table.
+
+    The interrupt may have come in the middle of :meth:`Recorder.add`, leaving
+    a row in some columns only: the columns are cut back to the rows counted
+    first, so that every table still gets the rows that were complete.
+    """
+    cols = getattr(recorder, "_cols", None)
+    counts = getattr(recorder, "_count", None)
+    if isinstance(cols, dict) and isinstance(counts, dict):
+        for table, columns in cols.items():
+            n = int(counts.get(table, 0))
+            for col in columns:
+                with contextlib.suppress(Exception):
+                    del col[n:]
+    flush_one = getattr(recorder, "_flush", None)
+    if flush_one is None:
+        with contextlib.suppress(Exception):
+            recorder.flush()
+        return
+    for table in TABLES:
+        with contextlib.suppress(Exception):
+            flush_one(table)

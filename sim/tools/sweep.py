@@ -49,12 +49,26 @@ Resume
     would run (same text: every default, the kvsim version and the seed).
     A re-run skips finished points; a failed point is run again. A folder
     under ``points/`` that is not a point of this sweep, or whose scenario
-    differs, is refused unless ``overwrite`` (then it is replaced or
-    removed). Temporary folders left by killed runs are removed at the
-    start. Killing the sweep therefore loses at most the points in flight.
-    On Ctrl-C (or SIGTERM) the sweep stops submitting, cancels what is
-    pending, stops the workers, writes ``sweep.parquet`` for what is done and
-    exits 130 (143 on SIGTERM).
+    differs, is refused unless ``overwrite``. Temporary folders left by
+    killed runs are removed at the start. Killing the sweep therefore loses
+    at most the points in flight. On Ctrl-C (or SIGTERM) the sweep stops
+    submitting, cancels what is pending, stops the workers, writes
+    ``sweep.parquet`` for what is done and exits 130 (143 on SIGTERM). Pool
+    workers die with the sweep process, even on SIGKILL
+    (:func:`sim.tools.run.worker_init`).
+
+Overwrite
+    ``overwrite`` never destroys the previous sweep before the new one is
+    done: the whole folder is moved aside to ``.<name>.previous-<pid>`` (beside
+    it), and the new folder starts with hard links (copies where links are
+    not possible) of what this sweep keeps from it: its finished points
+    (same scenario) and, with ``--smoke``, the other points' folders. The
+    aside folder is removed when the new sweep completes (failed points
+    included). If the new sweep is interrupted or fails, the aside folder
+    becomes ``<name>.previous`` (``<name>.previous-2`` ... when taken), kept
+    for the user, and the new folder resumes as any sweep does. After a
+    SIGKILL the hidden aside folder is removed by the next command that
+    writes beside it (:func:`sim.io.results.clean_leftovers`).
 
 ``sweep.parquet``
     One row per point that ran (ok or failed), in point order, rewritten
@@ -79,16 +93,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import json
 import logging
 import multiprocessing
 import os
 import re
 import shutil
-import signal
-import sys
-import threading
 import tomllib
 import traceback
 from collections.abc import Callable, Sequence
@@ -101,7 +111,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.errors import InputError
-from sim.io.results import RunWriter, load_results, write_text_atomic
+from sim.io.results import (
+    RunWriter,
+    clean_leftovers,
+    load_results,
+    make_folder,
+    out_error,
+    remove_created,
+    temp_beside,
+    write_text_atomic,
+)
 from sim.io.scenario import RunSpec, build_run
 from sim.io.sweepfile import (
     HEAD_COLUMNS,
@@ -112,7 +131,7 @@ from sim.io.sweepfile import (
     describe_sweep,
     read_sweep,
 )
-from sim.tools.run import execute
+from sim.tools.run import execute, interruptible, signal_of, stop_pool, worker_init
 
 if TYPE_CHECKING:
     from sim.io.results import RunResults
@@ -143,7 +162,9 @@ class _GuardedWriter(RunWriter):
     (a worker orphaned by a killed sweep must not race the next sweep)."""
 
     def __init__(self, target: Path, parent_pid: int | None) -> None:
-        super().__init__(target, overwrite=True)
+        # a failed point replaces its folder (it runs again next time); points/ is cleaned by the
+        # sweep itself, once, at the start (with Ray, other hosts' pids mean nothing here)
+        super().__init__(target, overwrite=True, aside=False, clean=False)
         self.parent_pid = parent_pid
 
     def finish(self, status: str, summary: dict[str, Any], scenario_toml: str,
@@ -182,14 +203,6 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
         writer.finish("failed", {"error": error, "run": {"name": target.name}}, scenario,
                       {"argv": list(task["argv"]), "pid": os.getpid()})
         return {"index": index, "status": "failed", "error": error}
-
-
-def _worker_init() -> None:
-    """Pool workers leave Ctrl-C to the sweep process and die with it (Linux)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -277,6 +290,7 @@ class SweepReport:
         failed: run ids of failed points (in the table).
         interrupted: the signal number that stopped the sweep, or None.
         summaries: point index -> ``summary.json`` of every point in the table.
+        previous: where the previous sweep was kept (``overwrite``, interrupted), or None.
     """
 
     out: Path
@@ -285,14 +299,7 @@ class SweepReport:
     failed: list[str] = field(default_factory=list)
     interrupted: int | None = None
     summaries: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    previous: Path | None = None
 
 
 def _read_summary(folder: Path) -> dict[str, Any] | None:
@@ -357,6 +364,7 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
               address: str | None = None, overwrite: bool = False,
               progress: Callable[[int, int], None] | None = None,
               on_start: Callable[[int, int], None] | None = None,
+              on_failed: Callable[[str, str], None] | None = None,
               argv: Sequence[str] = ()) -> SweepReport:
     """Run the points of ``sweep`` that are not finished in ``out``; write ``sweep.parquet``.
 
@@ -366,16 +374,20 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         jobs: parallel points (default: CPU count; Ray: the cluster decides).
         backend: ``"local"`` (process pool) or ``"ray"``.
         address: a Ray cluster to join (``ray start --head`` printed it).
-        overwrite: replace point folders that do not match this sweep.
+        overwrite: start over from a folder that does not match this sweep (the
+            previous folder is kept aside until the new sweep is done: see
+            "Overwrite" above).
         progress: called with (points done now, points to run) after each point.
         on_start: called once with (points skipped, points to run).
+        on_failed: called with (run id, the reason in one line) for each point that fails.
         argv: the command line, for each ``run_info.json``.
 
     Returns:
         The report; ``interrupted`` is set when Ctrl-C or SIGTERM stopped it.
 
     Raises:
-        InputError: bad options, Ray missing, or a folder that does not match.
+        InputError: bad options, Ray missing, a folder that does not match, or
+            an ``out`` that cannot be written (nothing is written then).
     """
     if backend not in ("local", "ray"):
         raise InputError("argument", "--backend", f"{backend!r}", "local, ray")
@@ -386,20 +398,31 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
     ray = import_ray() if backend == "ray" else None
     out = Path(out).resolve()
     finished, stale = _survey(sweep, out, overwrite)
-    (out / "points").mkdir(parents=True, exist_ok=True)
-    _clean_tmp(out)
-    for entry in stale:
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    write_text_atomic(out / "sweep.toml", sweep.text)
     report = SweepReport(out=out, skipped=len(finished))
     report.summaries.update(finished)
+    with interruptible():  # SIGTERM too, from here on: the previous sweep is never left hidden
+        previous = _prepare(sweep, out, overwrite, finished, stale)
+        completed = False
+        try:
+            _run_points(sweep, out, report, finished, ray, jobs, address, progress, on_start, on_failed, argv)
+            completed = report.interrupted is None
+        finally:
+            if previous is not None:
+                if completed:
+                    shutil.rmtree(previous, ignore_errors=True)
+                else:  # kept for the user under a visible name (a hidden one is cleaned up as a leftover)
+                    report.previous = _keep_previous(previous, out)
+    return report
+
+
+def _run_points(sweep: Sweep, out: Path, report: SweepReport, finished: dict[int, dict[str, Any]], ray: Any,
+                jobs: int | None, address: str | None, progress: Callable[[int, int], None] | None,
+                on_start: Callable[[int, int], None] | None, on_failed: Callable[[str, str], None] | None,
+                argv: Sequence[str]) -> None:
+    """Run the points not finished, on the chosen backend; fill ``report`` (interrupted: its signal)."""
     todo = [pt for pt in sweep.points if pt.index not in finished]
     if on_start is not None:
         on_start(len(finished), len(todo))
-    write_table(sweep, report.summaries, out)
     tasks = [{"index": pt.index, "source": str(sweep.source.resolve()), "data": pt.data,
               "target": str(out / "points" / pt.run_id), "argv": list(argv)} for pt in todo]
 
@@ -409,16 +432,14 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         summary = _read_summary(out / "points" / pt.run_id) or {}
         if result["status"] != "ok":
             summary = {**summary, "status": "failed", "error": summary.get("error") or result["error"]}
+            if on_failed is not None:
+                on_failed(pt.run_id, " ".join(str(summary["error"] or "failed").split()))
         report.summaries[index] = summary
         report.ran += 1
         write_table(sweep, report.summaries, out)
         if progress is not None:
             progress(report.ran, len(todo))
 
-    previous = signal.getsignal(signal.SIGTERM)
-    main_thread = _is_main_thread()
-    if main_thread:
-        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if ray is not None:
             _run_ray(ray, tasks, jobs, address, done)
@@ -427,22 +448,82 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         else:
             _run_pool(tasks, min(jobs or os.cpu_count() or 1, len(tasks)), done)
     except KeyboardInterrupt as exc:
-        report.interrupted = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        report.interrupted = signal_of(exc)
     write_table(sweep, report.summaries, out)
     report.failed = [pt.run_id for pt in sweep.points
                      if pt.index in report.summaries and report.summaries[pt.index].get("status") != "ok"]
-    return report
 
 
-def _is_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+def _prepare(sweep: Sweep, out: Path, overwrite: bool, finished: dict[int, dict[str, Any]],
+             stale: list[Path]) -> Path | None:
+    """Make the folder ready: leftovers removed, the previous sweep moved aside (``overwrite``)
+    and what is kept from it linked back, ``sweep.toml`` and the table of what is finished written.
+
+    Returns:
+        the aside folder of the previous sweep, or None.
+
+    Raises:
+        InputError: ``out`` cannot be written; nothing is left changed then.
+    """
+    created = make_folder(out.parent, out)
+    clean_leftovers(out.parent)
+    previous: Path | None = None
+    try:
+        if overwrite and out.is_dir() and any(out.iterdir()):
+            previous = temp_beside(out, "previous")
+            out.rename(previous)
+        created = make_folder(out / "points", out) + created
+        if previous is not None:
+            _carry_over(previous, out, sweep, finished, stale)
+        else:
+            _clean_tmp(out)
+        write_text_atomic(out / "sweep.toml", sweep.text)
+        write_table(sweep, finished, out)
+    except BaseException as exc:
+        if previous is not None:  # put the previous sweep back as it was
+            shutil.rmtree(out, ignore_errors=True)
+            previous.rename(out)
+        remove_created(created)
+        if isinstance(exc, OSError):
+            raise out_error(out, exc) from None
+        raise
+    return previous
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Stopped(signum)
+def _carry_over(previous: Path, out: Path, sweep: Sweep, finished: dict[int, dict[str, Any]],
+                stale: list[Path]) -> None:
+    """Link into ``out`` the point folders of the previous sweep that this sweep keeps."""
+    old_points = previous / "points"
+    if not old_points.is_dir():
+        return
+    skip = {p.name for p in stale}
+    keep = {pt.run_id for pt in sweep.points if pt.index in finished}
+    ids = {pt.run_id for pt in sweep.points}
+    for entry in sorted(old_points.iterdir()):
+        if entry.name.startswith(".") or entry.name in skip or not entry.is_dir():
+            continue
+        if entry.name in keep or entry.name not in ids:  # finished, or (smoke) a point of the whole sweep
+            shutil.copytree(entry, out / "points" / entry.name, copy_function=_link_or_copy)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _keep_previous(previous: Path, out: Path) -> Path | None:
+    """Rename the aside folder to ``<name>.previous`` (``-2``, ``-3`` ... when taken)."""
+    for n in range(1, 1000):
+        dest = out.parent / (f"{out.name}.previous" if n == 1 else f"{out.name}.previous-{n}")
+        if not dest.exists():
+            try:
+                previous.rename(dest)
+            except OSError:
+                break
+            return dest
+    return previous if previous.exists() else None
 
 
 def _run_here(tasks: list[dict[str, Any]], done: Callable[[dict[str, Any]], None]) -> None:
@@ -458,7 +539,8 @@ def _run_here(tasks: list[dict[str, Any]], done: Callable[[dict[str, Any]], None
 
 def _run_pool(tasks: list[dict[str, Any]], jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
     ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init)
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
+                               initargs=(os.getpid(),))
     me = os.getpid()
     futures: dict[Future[dict[str, Any]], dict[str, Any]] = {}
     try:
@@ -477,10 +559,7 @@ def _run_pool(tasks: list[dict[str, Any]], jobs: int, done: Callable[[dict[str, 
     except BaseException:
         for fut in futures:
             fut.cancel()
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            with contextlib.suppress(Exception):
-                proc.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop_pool(pool)
         raise
     pool.shutdown(wait=True)
 

@@ -52,7 +52,7 @@ def test_batch_list_keeps_order_and_reports_bad_items_in_place(tmp_path: Path, c
     f = tmp_path / "batch.json"
     f.write_text(json.dumps([S6, bad, present]))
     code, out, _ = run(["check", str(f), "--json"], capsys)
-    assert code == 0
+    assert code == 1  # a bad item fails the batch, after every item is reported
     res = json.loads(out)
     assert len(res) == 3
     assert res[0]["new"]["external_tokens"] == 0
@@ -67,7 +67,7 @@ def test_jsonl_in_and_out(tmp_path: Path, capsys):
     f.write_text(json.dumps(S6) + "\n" + "{not json\n")
     code, out, _ = run(["check", str(f), "--jsonl"], capsys)
     lines = out.strip().splitlines()
-    assert code == 0 and len(lines) == 2
+    assert code == 1 and len(lines) == 2  # the bad line fails the batch
     assert json.loads(lines[0])["old"]["external_tokens"] == 3904
     assert "line 2" in json.loads(lines[1])["error"]
 

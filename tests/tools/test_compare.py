@@ -177,8 +177,8 @@ def test_cli_prints_the_side_by_side_table(in_tmp: Path, capsys: pytest.CaptureF
                   "TPOT mean / p50", "throughput", "diverging requests"):
         assert label in out, label
     assert "OLD (vLLM 0.29.0)" in out and "NEW (vLLM 0.30.0)" in out
-    assert (in_tmp / "results" / "small" / "compare" / "compare.json").is_file()
-    assert sorted(p.name for p in (in_tmp / "results" / "small").iterdir()) == ["compare"]
+    assert (in_tmp / "results" / "small-compare" / "compare.json").is_file()
+    assert sorted(p.name for p in (in_tmp / "results").iterdir()) == ["small-compare"]
 
 
 # -- OLD and NEW differ -------------------------------------------------------------------------
