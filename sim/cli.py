@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
-from sim.io.results import RunWriter, summary_table, write_text_atomic
+from sim.io.results import RunWriter, summary_table, summary_warnings, write_text_atomic
 from sim.io.scenario import TORCH_ALLOWED, kvsim_version, load_run, parse_size, torch_missing
 from sim.io.traces import (
     FORMATS,
@@ -210,6 +210,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
               f"{f'; previous {target} kept' if outcome.folder != target else ''}", file=sys.stderr)
         return 1
     print(summary_table(outcome.summary, outcome.folder))
+    for warning in summary_warnings(outcome.summary):
+        print(f"kvsim: warning: {warning}", file=sys.stderr)
     if args.plots:
         for path in write_plots(outcome.folder):
             print(f"plot: {path}")
@@ -228,6 +230,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"kvsim: interrupted ({signal_name(signal_of(exc))}); {kept}", file=sys.stderr)
         return 128 + signal_of(exc)
     print(compare_table(result.figures, result.path))
+    over = [lg.upper() for lg, f in result.figures["runs"].items() if f.get("overloaded")]
+    if over:
+        print(f"kvsim: warning: the {' and '.join(over)} run{'s are' if len(over) > 1 else ' is'} overloaded "
+              f"(the queue grows with the trace): compare decisions, not TTFT (docs/metrics.md)",
+              file=sys.stderr)
     if result.status != "ok":
         for logic, tb in result.errors.items():
             print(f"kvsim: the {logic.upper()} run failed:", file=sys.stderr)
@@ -560,6 +567,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(sweep_table(sweep, report))
+    over = sorted(i for i, su in report.summaries.items() if su.get("overloaded"))
+    if over:
+        print(f"kvsim: warning: {_n(len(over), 'point')} overloaded ({', '.join(map(str, over[:10]))}"
+              f"{' ...' if len(over) > 10 else ''}): the queue grows with the trace, so their TTFT is "
+              f"the queue's; do not size from them (docs/metrics.md)", file=sys.stderr)
     if report.interrupted is not None:
         kept = f"; previous sweep kept in {report.previous}" if report.previous is not None else ""
         print(f"kvsim sweep: interrupted; {len(report.summaries)} of {_n(len(sweep.points), 'point')} in "

@@ -209,6 +209,9 @@ class Engine:
                 raise ValueError(f"request {req.req_id} arrives at {req.arrival_s} s, before "
                                  f"the previous one ({last} s): the stream must be sorted")
             last = req.arrival_s
+            if self.summary.first_arrival_s is None:
+                self.summary.first_arrival_s = last
+            self.summary.last_arrival_s = last
             self.next_arrival_s = req.arrival_s
             if req.arrival_s > env.now:
                 yield env.timeout(req.arrival_s - env.now)
@@ -256,18 +259,34 @@ class Engine:
                 continue
             if self.arrivals_done and not self.sched.requests and not self.xfers and not self.deferred_stores:
                 break
-            self._idle = env.event()
-            wake: simpy.Event = self._idle
-            if self.cfg.max_sim_time_s is not None:
-                wake = wake | env.timeout(max(0.0, self.cfg.max_sim_time_s - env.now))
-            yield wake
-            self._idle = None
-            # let every other event of this instant happen first
-            yield At(env, 0, LATE)
+            yield from self._wait_idle()
         self._sample(force=True)
         self.end_s = env.now
         if not self._stop.triggered:
             self._stop.succeed()
+
+    def _wait_idle(self) -> Proc:
+        """Sleep until kicked (or the time limit), still taking the occupancy
+        samples that fall due meanwhile (an idle gap is drawn as it is, not as
+        a ramp between two distant samples); a sample wakes no step."""
+        env = self.env
+        limit = self.cfg.max_sim_time_s
+        self._idle = idle = env.event()
+        while True:
+            due = self.next_tick
+            waits: list[simpy.Event] = [idle, env.timeout(max(0.0, due - env.now))]
+            if limit is not None:
+                waits.append(env.timeout(max(0.0, limit - env.now)))
+            yield simpy.AnyOf(env, waits)
+            # let every other event of this instant happen first
+            yield At(env, 0, LATE)
+            if idle.triggered or (limit is not None and env.now >= limit):
+                break
+            # the tick fell due (``now`` may be an ulp short of it: sample anyway)
+            self._sample(force=True)
+            if self.next_tick <= due:
+                self.next_tick = due + self.cfg.occupancy_interval_s
+        self._idle = None
 
     # -- one step ---------------------------------------------------------------------
 
@@ -295,6 +314,7 @@ class Engine:
         self._count_finished(len(out.finished))
         nsteps = 1 if plan.scheduled else 0
         self.summary.steps += nsteps
+        self.summary.peak_waiting = max(self.summary.peak_waiting, sched.num_waiting)
         did = plan.busy or bool(self.deferred_stores) or out.polled > 0
         if did:
             self.step_no += 1
@@ -408,6 +428,8 @@ class Engine:
             present = cpu.num_used - pending
             free = cpu.capacity - cpu.num_used
         wfk = sched.num_waiting_for_kv
+        self.summary.queue_t.append(now)
+        self.summary.queue_n.append(sched.num_waiting)
         self.rec.add(OccupancyRow(now, present, pending, loading, free, gpu.pool.num_used,
                                   gpu.pool.num_cached, len(sched.running), sched.num_waiting - wfk, wfk,
                                   len(self.h2d), len(self.d2h)))
@@ -416,20 +438,29 @@ class Engine:
 
     def _write_request(self, r: LiveRequest) -> None:
         s = self.summary
+        ttft = tpot = None
+        if r.first_token_s is not None:
+            ttft = r.first_token_s - r.req.arrival_s
+            if r.generated > 1 and r.finish_s is not None:
+                tpot = (r.finish_s - r.first_token_s) / (r.generated - 1)
         if r.status is RequestStatus.FINISHED:
             s.requests_finished += 1
             s.output_tokens += r.generated
-            if r.first_token_s is not None:
-                s.ttft_s.append(r.first_token_s - r.req.arrival_s)
-                if r.generated > 1 and r.finish_s is not None:
-                    s.tpot_s.append((r.finish_s - r.first_token_s) / (r.generated - 1))
+            s.finished_prompt_tokens += r.num_prompt_tokens
+            if ttft is not None:
+                s.ttft_s.append(ttft)
+                if tpot is not None:
+                    s.tpot_s.append(tpot)
         elif r.status is RequestStatus.REJECTED:
             s.requests_rejected += 1
+        why = r.deferral_reasons or {}
         self.rec.add(RequestRow(
             r.req_id, r.req.session_id, r.status.value, r.req.arrival_s, r.scheduled_s, r.first_token_s,
-            r.finish_s, r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens,
+            r.finish_s, ttft, tpot, r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens,
             r.cpu_reload_tokens, r.computed_tokens, r.recomputed_tokens, r.loaded_bytes, r.stored_bytes,
-            r.load_jobs, r.store_jobs, r.deferrals, r.preemptions, r.crash))
+            r.load_jobs, r.store_jobs, r.deferrals, why.get("in_flight_jobs", 0),
+            why.get("pending_or_retry", 0), why.get("being_loaded", 0), r.deferred_s, r.preemptions,
+            r.crash))
 
     # -- run ----------------------------------------------------------------------------
 

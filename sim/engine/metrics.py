@@ -65,6 +65,8 @@ class RequestRow(NamedTuple):
     scheduled_s: float | None      # first admission (load issued or first prefill step)
     first_token_s: float | None
     finish_s: float | None
+    ttft_s: float | None           # first_token_s - arrival_s (None: no token)
+    tpot_s: float | None           # (finish_s - first_token_s) / (output_tokens - 1); None below 2 tokens
     prompt_tokens: int
     output_tokens: int
     gpu_hit_tokens: int            # local GPU prefix-cache hit at first admission
@@ -77,6 +79,10 @@ class RequestRow(NamedTuple):
     load_jobs: int
     store_jobs: int
     deferrals: int                 # lookups answered "ask again next step"
+    deferrals_in_flight_jobs: int  # ... because the request's own jobs were in flight
+    deferrals_pending_or_retry: int  # ... because a hit chunk was pending a store or marked retry
+    deferrals_being_loaded: int    # ... because a hit chunk was being loaded for another request
+    deferred_s: float              # time from a deferred lookup to the next answered one, summed
     preemptions: int
     crash: str | None              # kind of the modelled crash this request hit, if any
 
@@ -255,6 +261,95 @@ class Recorder:
             self._flush(t)
 
 
+#: Overload verdict thresholds (docs/metrics.md, "Steady state and overload").
+#: The waiting queue's least-squares trend over the arrival window must gain at
+#: least this many requests ...
+GROWTH_MIN_REQUESTS = 10
+#: ... and this share of the requests that arrived, to be called "growing";
+GROWTH_MIN_SHARE = 0.05
+#: or the drain after the last arrival lasts longer than this share of the
+#: arrival window while the queue peaked at DRAIN_MIN_PEAK requests or more.
+DRAIN_SHARE = 0.25
+DRAIN_MIN_PEAK = 10
+
+
+def _trend(ts: Sequence[float], ns: Sequence[int]) -> float | None:
+    """Least-squares slope of ``ns`` over ``ts`` (None below 3 points or no spread)."""
+    k = len(ts)
+    if k < 3:
+        return None
+    mt = sum(ts) / k
+    mn = sum(ns) / k
+    var = sum((t - mt) ** 2 for t in ts)
+    if var <= 0:
+        return None
+    return sum((t - mt) * (n - mn) for t, n in zip(ts, ns, strict=True)) / var
+
+
+def load_verdict(s: RunSummary) -> dict[str, Any]:
+    """Offered vs served load, the waiting queue's trend and drain, and whether
+    the run is ``overloaded``: its queue trend over the arrival window grows
+    (by >= max(GROWTH_MIN_REQUESTS, GROWTH_MIN_SHARE x arrivals) requests), or
+    the backlog left at the last arrival takes longer than DRAIN_SHARE of the
+    arrival window to drain with the queue having peaked at DRAIN_MIN_PEAK or
+    more. On a finite trace a stable engine keeps its queue near flat and
+    drains within about one request's latency."""
+    first, last = s.first_arrival_s, s.last_arrival_s
+    end = s.sim_time_s
+    span = (last - first) if first is not None and last is not None else 0.0
+    served_span = (end - first) if first is not None and end > first else 0.0
+    pts = [(t, n) for t, n in zip(s.queue_t, s.queue_n, strict=True)
+           if first is not None and last is not None and first <= t <= last]
+    slope = _trend([t for t, _ in pts], [n for _, n in pts]) if span > 0 else None
+    growth = slope * span if slope is not None else None
+    grow_min = max(GROWTH_MIN_REQUESTS, GROWTH_MIN_SHARE * s.requests_arrived)
+    trend = "n/a" if growth is None else ("growing" if growth >= grow_min else "stable")
+    drain = (end - last) if last is not None else None
+    at_last = pts[-1][1] if pts else None
+    reason = ""
+    overloaded = False
+    if trend == "growing" and growth is not None:
+        overloaded = True
+        reason = (f"the waiting queue grew by about {growth:.0f} requests over the {span:.0f} s "
+                  f"of arrivals (threshold {grow_min:.0f})")
+    elif drain is not None and span > 0 and drain > DRAIN_SHARE * span and s.peak_waiting >= DRAIN_MIN_PEAK:
+        overloaded = True
+        reason = (f"draining the queue after the last arrival took {drain:.0f} s, "
+                  f"{drain / span:.0%} of the {span:.0f} s of arrivals (peak queue {s.peak_waiting})")
+    return {
+        "overloaded": overloaded,
+        "reason": reason,
+        "arrival_span_s": span,
+        "offered_requests_per_s": s.requests_arrived / span if span > 0 else None,
+        "offered_prompt_tokens_per_s": s.prompt_tokens / span if span > 0 else None,
+        "served_requests_per_s": s.requests_finished / served_span if served_span > 0 else None,
+        "served_prompt_tokens_per_s": s.finished_prompt_tokens / served_span if served_span > 0 else None,
+        "served_output_tokens_per_s": s.output_tokens / served_span if served_span > 0 else None,
+        "queue_trend": trend,
+        "queue_growth_requests": growth,
+        "waiting_at_last_arrival": at_last,
+        "peak_waiting": s.peak_waiting,
+        "drain_s": drain,
+        "rejected_share": s.requests_rejected / s.requests_arrived if s.requests_arrived else 0.0,
+    }
+
+
+def _quantile_with_missing(served: Sequence[float], missing: int, q: float) -> float | None:
+    """:func:`percentile` (same definition) of the sorted ``served`` plus
+    ``missing`` values at +inf; None where the result involves one of them."""
+    n = len(served) + missing
+    if not n:
+        return None
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    if lo >= len(served) or (hi >= len(served) and pos > lo):
+        return None
+    if hi >= len(served):
+        return served[lo]
+    return served[lo] + (served[hi] - served[lo]) * (pos - lo)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation, None if empty."""
     if not values:
@@ -285,6 +380,16 @@ class RunSummary(SchedulerStats):
     sim_time_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+    #: first and last arrival time (None: nothing arrived)
+    first_arrival_s: float | None = None
+    last_arrival_s: float | None = None
+    #: largest waiting queue seen at a step boundary
+    peak_waiting: int = 0
+    #: waiting-queue samples (time, requests), one per occupancy sample
+    queue_t: array[float] = field(default_factory=lambda: array("d"))
+    queue_n: array[int] = field(default_factory=lambda: array("q"))
+    #: prompt tokens of the finished requests
+    finished_prompt_tokens: int = 0
 
     def figures(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict (derived rates included)."""
@@ -324,4 +429,17 @@ class RunSummary(SchedulerStats):
             "integrity_violations": self.integrity_violations,
             "sim_time_s": t,
         }
+        out["load"] = self.load_figures()
+        out["overloaded"] = out["load"]["overloaded"]
+        rejected = self.requests_rejected
+        out["requests"]["rejected_share"] = rejected / self.requests_arrived if self.requests_arrived else 0.0
+        # TTFT with every rejected request counted as never served (+inf): None
+        # where the quantile falls on a rejected one
+        served = sorted(self.ttft_s)
+        out["ttft_s_with_rejected"] = {
+            f"p{q}": _quantile_with_missing(served, rejected, q) for q in (50, 90, 99)}
         return out
+
+    def load_figures(self) -> dict[str, Any]:
+        """Offered vs served load and the steady-state verdict (see :func:`load_verdict`)."""
+        return load_verdict(self)

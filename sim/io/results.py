@@ -507,6 +507,37 @@ def _ms(value: Any) -> str:
     return f"{value:.2f} s" if value >= 10 else f"{1000 * value:.1f} ms"
 
 
+def _load_text(load: dict[str, Any] | None) -> str:
+    """The steady-state verdict in one cell (older summaries have none)."""
+    if not load:
+        return "-"
+    offered, served = load.get("offered_requests_per_s"), load.get("served_requests_per_s")
+    rates = f"offered {_fmt(offered, '.2f', ' req/s')}, served {_fmt(served, '.2f', ' req/s')}"
+    queue = (f"queue {load.get('queue_trend')}, peak {load.get('peak_waiting')}, "
+             f"drain {_fmt(load.get('drain_s'), '.1f', ' s')}")
+    verdict = "OVERLOADED" if load.get("overloaded") else "stable"
+    return f"{verdict} ({rates}; {queue})"
+
+
+def summary_warnings(summary: dict[str, Any]) -> list[str]:
+    """One-line warnings a planner must not miss (overload, rejected requests)."""
+    out: list[str] = []
+    if summary.get("status") in ("failed", "interrupted"):
+        return out
+    load = summary.get("load") or {}
+    if load.get("overloaded"):
+        out.append(f"overloaded: {load.get('reason')}; TTFT reflects the queue, not the "
+                   f"configuration (see docs/metrics.md)")
+    req = summary.get("requests", {})
+    if req.get("rejected"):
+        share = req.get("rejected_share")
+        share_text = f" ({share:.1%})" if isinstance(share, float) else ""
+        out.append(f"{req['rejected']} of {req.get('arrived')} requests{share_text} were rejected "
+                   f"(too long for the GPU pool); TTFT/TPOT percentiles are of served requests, "
+                   f"see also 'rejected = never'")
+    return out
+
+
 def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> str:
     """The figures of ``summary.json`` as plain aligned text."""
     if summary.get("status") in ("failed", "interrupted"):
@@ -531,7 +562,9 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("CPU hit rate", _pct(summary["cpu_hit_rate"])),
             ("CPU reloads after preemption", f"{summary['tokens'].get('cpu_reload', 0):,} tokens"),
             ("recompute saved", _pct(summary["recompute_saved"])),
-            ("TTFT p50 / p90 / p99", " / ".join(_ms(ttft.get(f"p{q}")) for q in (50, 90, 99))),
+            ("load", _load_text(summary.get("load"))),
+            ("TTFT p50 / p90 / p99" + (" (served)" if req.get("rejected") else ""),
+             " / ".join(_ms(ttft.get(f"p{q}")) for q in (50, 90, 99))),
             ("TPOT mean / p50", f"{_ms(tpot.get('mean'))} / {_ms(tpot.get('p50'))}"),
             ("throughput", f"{_fmt(thr['requests_per_s'], '.2f', ' req/s')}, "
                            f"{_fmt(thr['output_tokens_per_s'], '.1f', ' output tok/s')}"),
@@ -545,6 +578,12 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("hazards", hazard_text),
             ("integrity violations", str(summary.get("integrity_violations", 0))),
         ]
+        if req.get("rejected"):
+            with_rej = summary.get("ttft_s_with_rejected", {})
+            rows.insert(next(i for i, r in enumerate(rows) if r[0].startswith("TPOT")),
+                        ("TTFT p50 / p90 / p99 (rejected = never)",
+                         " / ".join(_ms(with_rej.get(f"p{q}")) if with_rej.get(f"p{q}") is not None
+                                    else "never" for q in (50, 90, 99))))
         wl = summary.get("workload")
         if wl is not None:
             text = str(wl["bad_lines_skipped"])

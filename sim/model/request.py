@@ -89,7 +89,10 @@ class LiveRequest:
         "computed_tokens",
         "cpu_hit_tokens", "cpu_reload_tokens",
         "crash",
+        "deferral_reasons",
         "deferrals",
+        "deferred_s",
+        "deferred_since",
         "finish_s",
         "first_token_s",
         "generated",
@@ -154,6 +157,12 @@ class LiveRequest:
         self.load_jobs = 0
         self.store_jobs = 0
         self.deferrals = 0
+        #: deferred lookups by reason (None until the first)
+        self.deferral_reasons: dict[str, int] | None = None
+        #: time from a deferred lookup to the next lookup that answered, summed
+        self.deferred_s = 0.0
+        #: when the current run of deferred lookups began (None: not deferred)
+        self.deferred_since: float | None = None
         self.preemptions = 0
         self.crash: str | None = None
 

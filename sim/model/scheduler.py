@@ -679,6 +679,9 @@ class Scheduler:
                 self._count_deferral(r, m.defer_reason or "unknown")
                 return _DEFER
             ext, load_async = m.tokens, m.load_async
+        if r.deferred_since is not None:     # the lookup answered after deferring
+            r.deferred_s += self.now - r.deferred_since
+            r.deferred_since = None
         comp = local_tokens + ext
         num_new = 0 if load_async else min(r.num_tokens - comp, budget)
         alloc = gpu.allocate_new(r.req_id, local, local_tokens, ext, comp + num_new)
@@ -726,6 +729,12 @@ class Scheduler:
 
     def _count_deferral(self, r: LiveRequest, why: str) -> None:
         r.deferrals += 1
+        reasons = r.deferral_reasons
+        if reasons is None:
+            reasons = r.deferral_reasons = {}
+        reasons[why] = reasons.get(why, 0) + 1
+        if r.deferred_since is None:
+            r.deferred_since = self.now
         s = self.stats
         s.deferrals += 1
         s.deferral_reasons[why] = s.deferral_reasons.get(why, 0) + 1

@@ -359,6 +359,8 @@ def logic_figures(summary: dict[str, Any]) -> dict[str, Any]:
                    "computed": tok["computed"], "gpu_hit": tok["gpu_hit"], "prompt": tok["prompt"]},
         "bytes": {"h2d": tr["h2d_bytes"], "d2h": tr["d2h_bytes"]},
         "ttft_s": dict(summary["ttft_s"]),
+        "overloaded": summary.get("overloaded"),
+        "load": dict(summary.get("load") or {}),
         "tpot_s": {"mean": summary["tpot_s"].get("mean"), "p50": summary["tpot_s"].get("p50")},
         "throughput": dict(summary["throughput"]),
         "preemptions": eng["preemptions"],
@@ -722,6 +724,12 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
             return f"{human_bytes(f['bytes']['h2d'])} / {human_bytes(f['bytes']['d2h'])}"
         if what == "ttft":
             return " / ".join(_ms(f["ttft_s"].get(f"p{q}")) for q in (50, 90, 99))
+        if what == "load":
+            if f.get("overloaded") is None:
+                return "-"
+            ld = f.get("load") or {}
+            return (f"{'OVERLOADED' if f['overloaded'] else 'stable'} (queue {ld.get('queue_trend')}, "
+                    f"peak {ld.get('peak_waiting')})")
         if what == "tpot":
             return f"{_ms(f['tpot_s'].get('mean'))} / {_ms(f['tpot_s'].get('p50'))}"
         thr = f["throughput"]
@@ -731,7 +739,7 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
     labels = [("status", "status"), ("requests finished / arrived", "requests"), ("crashes", "crashes"),
               ("hazards", "hazards"), ("integrity violations", "integrity"), ("deferrals", "deferrals"),
               ("external-hit tokens", "external"), ("recomputed tokens", "recomputed"),
-              ("computed tokens", "computed"), ("bytes H2D / D2H", "bytes"),
+              ("computed tokens", "computed"), ("bytes H2D / D2H", "bytes"), ("load", "load"),
               ("TTFT p50 / p90 / p99", "ttft"), ("TPOT mean / p50", "tpot"), ("throughput", "throughput")]
     rows = [(label, cell(runs["old"], what), cell(runs["new"], what)) for label, what in labels]
     reps = figures.get("reproducers", {})

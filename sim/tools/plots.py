@@ -918,6 +918,7 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
     all_sizes = df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB if len(df) else np.empty(0)
     for ax, (col, ylabel, name) in zip(axes, panels, strict=True):
         top = 0.0
+        overloaded_drawn = False
         knees: list[tuple[float, float, str, str]] = []
         log, zero_x = _size_axis(ax, all_sizes) if series else (False, None)
         for label, rows, style, _names in series:
@@ -930,6 +931,13 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
                 hi = np.array([y[x == v].max() for v in ux])
                 keep = ux > 0 if zero_x is not None else np.ones(len(ux), dtype=bool)
                 ax.fill_between(ux[keep], lo[keep], hi[keep], color=style["color"], alpha=0.15, linewidth=0)
+            over = _overloaded_at(rows, x, ux)
+            if over.any():   # a red cross on every size with an overloaded run
+                ox = np.where(ux[over] == 0, zero_x if zero_x is not None else 0.0, ux[over])
+                ax.plot(ox, mean[over], linestyle="none", marker="x", color="#d62728", markersize=9,
+                        markeredgewidth=2, zorder=5, gid="overloaded",
+                        label="_over" if overloaded_drawn else "overloaded (queue grows: TTFT not usable)")
+                overloaded_drawn = True
             if zero_x is not None:
                 at0 = ux == 0
                 if at0.any():
@@ -965,6 +973,15 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
     return fig
 
 
+def _overloaded_at(rows: Any, x: np.ndarray, ux: np.ndarray) -> np.ndarray:
+    """Per size in ``ux``: whether any of its runs was overloaded (False for
+    sweeps written before the verdict existed)."""
+    if "overloaded" not in rows.columns:
+        return np.zeros(len(ux), dtype=bool)
+    flags = rows["overloaded"].fillna(False).astype(bool).to_numpy()
+    return np.array([bool(flags[x == v].any()) for v in ux], dtype=bool)
+
+
 @_styled
 def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     """TTFT CDF of every finished point of a sweep (from each point's ``requests.parquet``).
@@ -990,6 +1007,7 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     series = _series(df, keys, style_key="cpu_cache_bytes") if len(df) else []
     colours: dict[str, str] = {}
     styles: dict[str, Any] = {}
+    overloaded = 0
     for label, rows, style, (colour_name, style_name) in series:
         for j in range(len(rows)):
             row = rows.iloc[j]
@@ -999,7 +1017,13 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
             xs = _ttft_s(req)
             samples.append(xs)
             lab = label if len(rows) == 1 else f"{label} ({row.get('run_id', j)})"
-            _draw_cdf(ax, xs, color=style["color"], linestyle=style["linestyle"], linewidth=1.3, label=lab)
+            ov = row.get("overloaded")
+            over = ov is not None and not bool(np.isnan(ov)) and bool(ov)   # NaN: an older sweep
+            if over:
+                lab += " [OVERLOADED]"
+            _draw_cdf(ax, xs, color=style["color"], linestyle=style["linestyle"],
+                      linewidth=0.8 if over else 1.3, alpha=0.45 if over else 1.0, label=lab)
+            overloaded += over
         colours.setdefault(colour_name, style["color"])
         if style_name:
             styles.setdefault(style_name, style["linestyle"])
@@ -1016,7 +1040,8 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
                   + ("\nline style: CPU cache" if styles else ""))
     else:
         _note(ax, "no finished point to plot")
-    ax.set_title("TTFT distribution per point (finished requests)")
+    ax.set_title("TTFT distribution per point (finished requests)"
+                 + (f"; {overloaded} overloaded (faint): their TTFT is the queue's" if overloaded else ""))
     fig.suptitle(_sweep_title(df, sweep_name, "TTFT CDF of every point", keys, skipped))
     return fig
 

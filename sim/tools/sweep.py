@@ -667,23 +667,28 @@ def load_sweep(path: str | Path) -> SweepResults:
 
 
 def sweep_table(sweep: Sweep, report: SweepReport) -> str:
-    """The points as plain aligned text: point, parameters, status, CPU hit rate, TTFT p50."""
-    head = ["point", *sweep.swept, "status", "cpu hit", "ttft p50"]
+    """The points as plain aligned text: point, parameters, status, load verdict,
+    rejected requests, CPU hit rate, TTFT p50 (of served requests)."""
+    head = ["point", *sweep.swept, "status", "load", "rejected", "cpu hit", "ttft p50"]
     rows = [head]
     for pt in sweep.points:
         s = report.summaries.get(pt.index)
+        load = rejected = hit = ttft = "-"
         if s is None:
-            status, hit, ttft = "not run", "-", "-"
+            status = "not run"
         elif s.get("status") != "ok":
-            status, hit, ttft = "FAILED", "-", "-"
+            status = "FAILED"
         else:
             rate = s.get("cpu_hit_rate")
             p50 = (s.get("ttft_s") or {}).get("p50")
             status = "ok"
+            if "overloaded" in s:
+                load = "OVERLOADED" if s["overloaded"] else "stable"
+            rejected = str((s.get("requests") or {}).get("rejected", "-"))
             hit = "-" if rate is None else f"{100 * rate:.1f}%"
-            ttft = "-" if p50 is None else f"{1000 * p50:.1f} ms"
+            ttft = "-" if p50 is None else (f"{p50:.2f} s" if p50 >= 10 else f"{1000 * p50:.1f} ms")
         values = (cell_text(pt.values.get(k, "")) for k in sweep.swept)
-        rows.append([str(pt.index), *values, status, hit, ttft])
+        rows.append([str(pt.index), *values, status, load, rejected, hit, ttft])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines) + f"\nresults  {report.out}"

@@ -110,6 +110,24 @@ def test_hit_rate_log2_axis_with_zero_apart(tmp_path: Path) -> None:
     assert plots.layout_problems(fig) == []
 
 
+def test_overloaded_points_are_marked_on_both_sweep_figures(tmp_path: Path) -> None:
+    df = fake_sweep(tmp_path, [0, 64, 256], ["lru"])
+    df["overloaded"] = [True, False, False]
+    fig = plots.hit_rate_vs_cpu(df)
+    for ax in fig.axes[:2]:
+        marks = [ln for ln in ax.get_lines() if ln.get_gid() == "overloaded"]
+        assert len(marks) == 1 and len(marks[0].get_xdata()) == 1   # only the 0 GiB point
+    assert any("overloaded" in t.get_text() for leg in fig.legends for t in leg.get_texts())
+    cdfs = plots.ttft_cdfs(df, root=tmp_path)
+    ax = cdfs.axes[0]
+    assert "1 overloaded" in ax.get_title()
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert sum("[OVERLOADED]" in lab for lab in labels) == 1
+    # a sweep written before the verdict existed draws no mark
+    old = plots.hit_rate_vs_cpu(fake_sweep(tmp_path / "old", [0, 64, 256], ["lru"]))
+    assert not [ln for ln in old.axes[0].get_lines() if ln.get_gid() == "overloaded"]
+
+
 def test_hit_rate_linear_below_4x(tmp_path: Path) -> None:
     df = fake_sweep(tmp_path, [16, 32, 48], ["lru"])
     fig = plots.hit_rate_vs_cpu(df)
