@@ -11,6 +11,7 @@ line ``kvsim: interrupted (SIGINT); ...`` saying what was kept.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -61,6 +62,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
                          TORCH_ALLOWED)
     path = Path(args.file)
     batch, items = load_check_file(path, jsonl=args.jsonl)
+    # the parsed batch and its results hold no reference cycles: keep the cyclic
+    # collector from rescanning them (two full passes cost a large batch ~40 %)
+    gc.freeze()
     results: list[Any] = []
     failed = False
     for i, item in enumerate(items):

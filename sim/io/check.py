@@ -33,6 +33,7 @@ State construction (the reference path; the kernel reads the same states)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -81,6 +82,12 @@ ChunkStateName = Literal["present", "pending", "loading", "retry"]
 Logic = Literal["old", "new"]
 
 
+#: CheckScenario.layout's cache: (groups, tokens per hash, blocks per chunk) -> Layout
+#: (Layout is frozen; a LayoutError is raised before anything is cached)
+_MODEL_LAYOUTS: dict[tuple[object, ...], Layout] = {}
+_MODEL_LAYOUT_CACHE_SIZE = 4096
+
+
 class CheckGroup(GroupEntry):
     """One KV cache group of a check scenario (the fields of :class:`~sim.io.schema.GroupEntry`)."""
 
@@ -122,7 +129,17 @@ class CheckScenario(Strict):
         return self
 
     def layout(self) -> Layout:
-        return Layout.of([g.spec() for g in self.groups], self.tokens_per_hash, self.blocks_per_chunk)
+        """The model layer's layout (one immutable object per distinct layout: a
+        batch of scenarios over a few layouts builds each once)."""
+        key = (tuple((g.kind, g.tokens_per_block, g.window, g.attention_chunk, g.extra_retained_tokens,
+                      g.eagle) for g in self.groups), self.tokens_per_hash, self.blocks_per_chunk)
+        layout = _MODEL_LAYOUTS.get(key)
+        if layout is None:
+            layout = Layout.of([g.spec() for g in self.groups], self.tokens_per_hash, self.blocks_per_chunk)
+            if len(_MODEL_LAYOUTS) >= _MODEL_LAYOUT_CACHE_SIZE:
+                _MODEL_LAYOUTS.clear()
+            _MODEL_LAYOUTS[key] = layout
+        return layout
 
     def case(self, source: str = "<check>") -> CheckCase:
         """The plain :class:`CheckCase` of this (validated) scenario; its expectations are dropped."""
@@ -330,8 +347,40 @@ def parse_check(data: Any, source: str) -> CheckScenario:
         if isinstance(inner, LayoutError):
             raise InputError(source, inner.key, inner.problem, inner.allowed) from None
         raise _located(exc, source) from None
-    expand_chunk_states(sc, source)
+    _check_chunk_states(sc, source)
     return sc
+
+
+def _check_chunk_states(sc: CheckScenario, source: str) -> None:
+    """:func:`expand_chunk_states`'s checks by whole ranges (no per-chunk
+    dictionary): any problem is reported by :func:`expand_chunk_states` itself,
+    so the messages are its own."""
+    layout = sc.layout()
+    stated = 0
+    ngroups = len(sc.groups)
+    for gkey, table in sc.chunk_states.items():
+        if not gkey.isdigit() or int(gkey) >= ngroups:
+            break
+        limit = layout.num_keys(int(gkey), sc.num_tokens)
+        spans: list[tuple[int, int]] = []
+        for ckey in table:
+            rng = _parse_chunk_range(ckey)
+            if rng is None or rng[-1] >= limit:
+                break
+            spans.append((rng.start, rng.stop))
+        else:
+            spans.sort()
+            if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)):
+                stated += sum(b - a for a, b in spans)
+                continue
+        break
+    else:
+        cap = sc.cpu_capacity_chunks
+        local = sc.gpu_computed_tokens
+        if ((cap is None or stated <= cap) and local < sc.num_tokens
+                and not any(local % g.tokens_per_block for g in sc.groups)):
+            return
+    expand_chunk_states(sc, source)   # raises the located error
 
 
 def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
