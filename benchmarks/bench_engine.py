@@ -49,7 +49,6 @@ from sim.engine.metrics import Recorder
 from sim.io.scenario import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 TARGET_RPS = 6000.0
 TARGET_RSS_MB = 300.0
 
@@ -68,7 +67,7 @@ CASES = {
             "scheduler.blocks_per_chunk=4",
             "scheduler.tokens_per_hash=8",
             "scheduler.prefix_caching=true",
-            f'workload={{kind="mooncake", path="{TRACE}"}}',
+            'workload={kind="mooncake", trace="mooncake-conversation"}',   # $KVSIM_TRACES or the fetch cache
             'costs.step="auto"',
             'costs.transfer="hardware"',
         ],
@@ -83,7 +82,7 @@ CASES["mooncake-full-attn"] = {
 }
 CASES["mooncake-deepseek-v4"] = {
     "scenario": str(ROOT / "scenarios" / "mooncake-deepseek-v4.toml"),
-    "set": [f'workload.path="{TRACE}"'],
+    "set": [],
 }
 ACCOUNTINGS = ("fast", "reference")
 

@@ -32,11 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sim.errors import InputError
+from sim.io.traces import resolve_trace
 from sim.model.gpu_cache import GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 
-TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+def _trace() -> Path | None:
+    """The Mooncake conversation trace ($KVSIM_TRACES or the fetch cache), if present."""
+    try:
+        return resolve_trace("mooncake-conversation")
+    except InputError:
+        return None
 TPH = 8
 SPEC6 = Layout.of([GroupSpec(GroupKind.FULL, 256),
                    GroupSpec(GroupKind.SLIDING_WINDOW, 64, window=128),
@@ -63,7 +71,7 @@ class Req:
 def mooncake(n: int) -> list[Req]:
     from sim.io.workload import iter_mooncake  # noqa: PLC0415 (optional: the trace may be absent)
     return [Req(r.req_id, r.prompt_tokens, r.output_tokens, list(r.block_hashes))
-            for r in iter_mooncake(TRACE, TPH, limit=n)]
+            for r in iter_mooncake(_trace(), TPH, limit=n)]
 
 
 def synthetic(n: int, seed: int = 1) -> list[Req]:
@@ -189,7 +197,7 @@ def main() -> None:
     ap.add_argument("--synthetic", action="store_true", help="synthetic stream even if the trace exists")
     ap.add_argument("--no-check", action="store_true", help="skip the call-by-call comparison")
     args = ap.parse_args()
-    use_trace = TRACE.exists() and not args.synthetic
+    use_trace = _trace() is not None and not args.synthetic
     reqs = mooncake(args.requests) if use_trace else synthetic(args.requests)
     hashes = {r.req_id: r.hashes for r in reqs}
     t0 = time.perf_counter()

@@ -521,7 +521,7 @@ def _load_text(load: dict[str, Any] | None) -> str:
 
 def summary_warnings(summary: dict[str, Any]) -> list[str]:
     """One-line warnings a planner must not miss (overload, rejected requests)."""
-    out: list[str] = []
+    out: list[str] = list(summary.get("hardware_warnings") or [])
     if summary.get("status") in ("failed", "interrupted"):
         return out
     load = summary.get("load") or {}

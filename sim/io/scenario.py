@@ -18,7 +18,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     kvsim_version         (none)        informational; written into resolved scenarios
     name                  (file stem)   results go to results/<name>/
     seed                  (0)           the only source of randomness
-    window_logic          ("new")       "old" (vLLM 0.29.0) | "new" (vLLM 0.30.0)
+    window_logic          ("new")       "old" (vLLM 0.29.0) | "new" (vLLM 0.30.0) | "latest" (vLLM 0.33.0)
     on_crash              ("record")    "record" | "stop"
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]
@@ -34,7 +34,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [workload]            kind = "multiturn" (the default; MultiTurnParams fields, limit)
                           | "mooncake" (path, or trace = a published trace's name, found in
                           $KVSIM_TRACES then the fetch cache; limit, time_scale (1.0),
-                          block_tokens (512))
+                          block_tokens (512), arrival_jitter_s (0: off))
     [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
                           decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
                           tensor_parallel (1)
@@ -54,7 +54,15 @@ Derived quantities (documented simplifications)
       vLLM, the null block is one of them. ``gpu_kv_bytes`` defaults to
       ``gpu_memory_utilization x hbm_bytes - weights / tensor_parallel``
       where the weights are ``weights_bytes``, else ``params_b x 1e9 x 2``
-      (bf16), else 0; activation memory is ignored.
+      (bf16), else 0; activation memory is ignored. When that leaves fewer
+      than 2 blocks the error names the smallest ``tensor_parallel`` of 1, 2,
+      4, 8 (at most the profile's ``gpus_per_node``; dividing the KV heads as
+      below) that leaves a pool, sizes in GiB.
+    * **Host RAM.** The CPU cache (``capacity``, or ``chunks`` x slot bytes) is
+      refused beyond the profile's ``cpu_ram_bytes`` (the whole node), and
+      accepted with one line in :attr:`RunSpec.warnings` (summary key
+      :data:`HARDWARE_WARNINGS_KEY`) beyond the run's share of it,
+      ``cpu_ram_bytes x tensor_parallel / gpus_per_node``; sizes in GiB.
     * **CPU capacity** (spec §3.1): ``capacity_from_bytes(capacity,
       block_bytes, blocks_per_chunk, copies)``: one slot holds one chunk of
       any group, sized for a block id across all KV tensors of one worker
@@ -82,7 +90,14 @@ Derived quantities (documented simplifications)
       string if that fails) and sets it before validation. Setting one key of
       an exclusive pair (``cpu_cache.capacity``/``chunks``,
       ``hardware.gpu_kv_bytes``/``gpu_blocks``, ``model.name``/``path``/
-      ``groups``) drops the other one given in the file. An error about a key
+      ``groups``) drops the other one given in the file. ``--set a.b=null``
+      (bare ``null``; TOML has none, and a quoted ``'"null"'`` stays the
+      string) removes the key, so that it takes its default. Setting
+      ``workload.kind`` keeps only the keys the new kind has (``limit``,
+      ``rate_scale``, ``sample`` are common), so that ``--set workload.kind=
+      mooncake --set workload.trace=NAME`` turns a generator into a trace; a
+      key of another kind than the table's is refused naming the kind, its
+      keys and the kinds that have it. An error about a key
       set this way (or inside a table set this way) names the option
       (``--set:KEY: ...``), not the file.
 """
@@ -144,6 +159,7 @@ from sim.io.workload import (
     iter_multiturn,
     iter_trace,
     iter_uniform,
+    jitter_arrivals,
     request_total,
     sample,
     scale_rate,
@@ -169,6 +185,7 @@ if TYPE_CHECKING:
     from sim.model.costs import StepCostModel, TransferModel
 
 __all__ = [
+    "HARDWARE_WARNINGS_KEY",
     "HardwareFile",
     "ModelFile",
     "RunScenario",
@@ -180,6 +197,8 @@ __all__ = [
 ]
 
 SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
+#: the summary key (a list of one-line strings) of :attr:`RunSpec.warnings`
+HARDWARE_WARNINGS_KEY = "hardware_warnings"
 
 
 def scenarios_dir() -> Path:
@@ -269,6 +288,15 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def gib(n: float, *, up: bool = False) -> str:
+    """Bytes in GiB for messages: ``2e12`` -> ``"1,862.6 GiB"`` (one decimal, two below
+    10 GiB), rounded down (a bound), or up when ``up`` (an amount checked against one)."""
+    digits = 2 if abs(n) < 10 * 2**30 else 1
+    scaled = n / 2**30 * 10**digits
+    v = (math.ceil(scaled) if up else math.floor(scaled)) / 10**digits
+    return f"{v:,.0f} GiB" if v == int(v) else f"{v:,.{digits}f} GiB"
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 Bandwidth = Annotated[int, BeforeValidator(parse_bandwidth)]
 #: counts with a documented limit (:mod:`sim.io.schema`)
@@ -346,7 +374,11 @@ class HardwareFile(Strict):
     gpu: str = Field(description="key of sim.model.costs.GPU_PROFILES (step-time model)")
     hbm_bytes: Size = Field(gt=0, description="GPU memory")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of HBM vLLM may use")
-    cpu_ram_bytes: Size | None = Field(default=None, gt=0, description="host RAM of the node (informational)")
+    cpu_ram_bytes: Size | None = Field(
+        default=None, gt=0, description="host RAM of the node: bounds cpu_cache (refused beyond it)")
+    gpus_per_node: int | None = Field(
+        default=None, gt=0, le=64, description="GPUs sharing that RAM: a run's share is "
+        "cpu_ram_bytes x tensor_parallel / gpus_per_node (warned beyond it); caps suggested TP")
     h2d_bandwidth: Bandwidth = Field(gt=0, description="host-to-device bytes/s per GPU")
     d2h_bandwidth: Bandwidth = Field(gt=0, description="device-to-host bytes/s per GPU")
     h2d_latency_s: float = Field(ge=0, description="fixed cost of one load job")
@@ -471,6 +503,9 @@ class MooncakeWorkload(_Transforms):
     block_tokens: Tokens | None = Field(default=None, gt=0,
                                         description="tokens per hash id (Mooncake: 512)")
     skip_bad: bool = Field(default=False, description="skip bad lines, counted in the summary")
+    arrival_jitter_s: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="spread requests sharing a timestamp over [t, t + this), seeded (0: off)")
 
     @model_validator(mode="after")
     def _one_source(self) -> MooncakeWorkload:
@@ -535,8 +570,8 @@ class RunScenario(Strict):
                              description="results folder name (default: the file stem)")
     seed: Annotated[int, at_most(MAX_INT64, "", WHY_INT64)] = Field(
         default=0, ge=0, description="seed of every random choice")
-    window_logic: Literal["old", "new"] = Field(default="new",
-                                                description="vLLM 0.29.0 (old) or 0.30.0 (new)")
+    window_logic: Literal["old", "new", "latest"] = Field(
+        default="new", description="vLLM 0.29.0 (old), 0.30.0 (new) or 0.33.0 (latest)")
     on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
     assertions: bool = Field(default=True, description="vLLM's Python assertions; false models python -O")
     model: ModelSection
@@ -590,12 +625,21 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
+def _tags(loc: Sequence[Any]) -> list[bool]:
+    """Which parts of an error location are discriminator tags: a tag follows the
+    key of a union, so a key named like one (``workload.trace``) is not taken for it."""
+    out: list[bool] = []
+    for part in loc:
+        out.append(isinstance(part, str) and part in _TAGS and not (out and out[-1]))
+    return out
+
+
 def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
     model: type[BaseModel] | None = root
-    for part in loc:
+    for part, tag in zip(loc, _tags(loc), strict=True):
         if isinstance(part, int):
             continue
-        if part in _TAGS:
+        if tag:
             model = _TAGS[part]
             continue
         if model is None:
@@ -622,7 +666,24 @@ def _is_key(part: object) -> bool:
 
 
 def _dotted(loc: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in loc if _is_key(p))
+    return ".".join(str(p) for p, tag in zip(loc, _tags(loc), strict=True)
+                    if not tag and (_is_key(p) or p in _TAGS))
+
+
+def _kinds(model: type[BaseModel]) -> tuple[str, ...]:
+    """The ``kind`` values of one table of a union told apart by ``kind`` (none: not such a table)."""
+    fld = model.model_fields.get("kind")
+    return typing.get_args(fld.annotation) if fld is not None else ()
+
+
+def _kind_hint(models: Sequence[type[BaseModel]], key: str, how: str) -> str:
+    """``; <how>"K" (kinds with KEY: ...)``: the kinds of the union that have ``key``."""
+    kinds = [k for m in dict.fromkeys(models) if key in _aliases(m) for k in _kinds(m)]
+    return f"; {how}\"{kinds[0]}\" (kinds with {key}: {', '.join(kinds)})" if kinds else ""
+
+
+def _aliases(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
 
 
 def located(exc: ValidationError, source: str, root: type[BaseModel], prefix: str = "") -> InputError:
@@ -635,7 +696,14 @@ def located(exc: ValidationError, source: str, root: type[BaseModel], prefix: st
     ctx = err.get("ctx") or {}
     value = err.get("input")
     if kind == "extra_forbidden":
-        return InputError(source, full, "unknown key", _keys_of(_model_at(root, loc[:-1])))
+        parent = _model_at(root, loc[:-1])
+        tag = loc[-2] if len(loc) > 1 and _tags(loc)[-2] else None
+        if parent is not None and tag is not None and _kinds(parent):  # a table of a union: name its kind
+            where = _dotted(loc[:-1])
+            members = [m for m in _TAGS.values() if m is not None]
+            hint = _kind_hint(members, str(loc[-1]), f"or {where}.kind = ")
+            return InputError(source, full, f"not a key of {where} kind {tag!r}", _keys_of(parent) + hint)
+        return InputError(source, full, "unknown key", _keys_of(parent))
     if kind == "missing":
         return InputError(source, full, "required key missing")
     if kind in ("union_tag_invalid", "union_tag_not_found"):
@@ -722,14 +790,67 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+#: ``--set KEY=null`` (bare, unquoted: TOML has no null) removes KEY; ``KEY='"null"'`` is the string
+REMOVE = "null"
+#: the kind of a ``[workload]`` without one (:meth:`RunScenario._default_kind`)
+_DEFAULT_KIND = "multiturn"
+
+
+def _of_kind(found: Sequence[type[BaseModel]], kind: object) -> type[BaseModel] | None:
+    return next((m for m in found if kind in _kinds(m)), None)
+
+
+def _walk(data: dict[str, Any], parts: list[str], source: str, remove: bool,
+          ) -> tuple[dict[str, Any], list[type[BaseModel]]] | None:
+    """The table holding the dotted key ``parts`` (created as needed, unless ``remove``)
+    and the tables its union may hold when it is a union's ``kind``; None: nothing to remove.
+    A key of a union (``workload.*``) must be one of the table's kind (default multiturn)."""
+    model: type[BaseModel] = RunScenario
+    table = data
+    members: list[type[BaseModel]] = []   # the tables of the union the key is in
+    for i, part in enumerate(parts):
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        where = ".".join(parts[: i + 1])
+        if part not in fields:
+            raise InputError(source, where, "unknown key", _keys_of(model))
+        if i == len(parts) - 1:
+            return table, (members if part == "kind" else [])
+        found = members = _models_in(fields[part].annotation)
+        sub = table.get(part)
+        if len(found) > 1:  # a union of tables told apart by kind: the table's kind
+            kind = sub.get("kind", _DEFAULT_KIND) if isinstance(sub, dict) else _DEFAULT_KIND
+            chosen, nxt = _of_kind(found, kind), parts[i + 1]
+            if chosen is not None and nxt not in _aliases(chosen):
+                if remove and any(nxt in _aliases(m) for m in found):
+                    return None   # a key of another kind: not there to remove
+                hint = _kind_hint(found, nxt, f"or first --set {where}.kind=")
+                raise InputError(source, f"{where}.{nxt}", f"not a key of {where} kind {kind!r}",
+                                 _keys_of(chosen) + hint)
+            # an unknown kind: validation reports it
+            chosen = chosen or next((m for m in found if nxt in _aliases(m)), None)
+            found = [chosen] if chosen is not None else []
+        if len(found) != 1 or (sub is not None and not isinstance(sub, dict)):
+            shown = "" if sub is None or isinstance(sub, dict) else f" ({sub!r})"
+            raise InputError(source, where, f"not a table{shown}", "a key of a table, e.g. cpu_cache.policy")
+        if sub is None:
+            if remove:
+                return None
+            sub = table[part] = {}
+        model, table = found[0], sub
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str | tuple[str, str]]) -> dict[str, str]:
     """Apply ``key=value`` overrides in order to the raw TOML data (in place).
 
     An item is ``"key=value"`` (source ``--set``) or ``(source, "key=value")``
     (e.g. ``("--seed", "seed=3")``). Returns {dotted key: the option that set it last}.
+    ``key=null`` (:data:`REMOVE`) removes the key; setting (or removing) ``workload.kind``
+    drops the keys the new kind does not have.
 
     Raises:
-        InputError: the item is not ``key=value`` or names an unknown key.
+        InputError: the item is not ``key=value``, names an unknown key, or a key
+            of another workload kind than the table's (naming the kind and its keys).
     """
     touched: dict[str, str] = {}
     for item in overrides:
@@ -739,30 +860,20 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str | tuple[str, s
         if not sep or not key:
             raise InputError(source, text, "not key=value", "key=value, e.g. cpu_cache.capacity=64GiB")
         parts = key.split(".")
-        model: type[BaseModel] | None = RunScenario
-        table = data
-        for i, part in enumerate(parts):
-            fields = {f.alias or n: f for n, f in model.model_fields.items()} if model else {}
-            where = ".".join(parts[: i + 1])
-            if part not in fields:
-                raise InputError(source, where, "unknown key", _keys_of(model))
-            if i == len(parts) - 1:
-                break
-            found = _models_in(fields[part].annotation)
-            sub = table.get(part)
-            if len(found) > 1:  # a union of tables: the one of the given kind, else the first that fits
-                kind = sub.get("kind") if isinstance(sub, dict) else None
-                nxt = parts[i + 1]
-                found = [m for m in found if nxt in m.model_fields and (
-                    kind is None or kind in typing.get_args(m.model_fields["kind"].annotation))][:1]
-            if len(found) != 1 or (sub is not None and not isinstance(sub, dict)):
-                shown = "" if sub is None or isinstance(sub, dict) else f" ({sub!r})"
-                raise InputError(source, where, f"not a table{shown}",
-                                 "a key of a table, e.g. cpu_cache.policy")
-            model = found[0]
-            if sub is None:
-                sub = table[part] = {}
-            table = sub
+        remove = raw.strip() == REMOVE
+        walked = _walk(data, parts, source, remove)
+        touched[key] = source
+        if walked is None:
+            continue
+        table, union = walked
+        value = _parse_value(raw.strip())
+        if union:  # a kind switch: keep the keys the new kind has
+            new = _of_kind(union, _DEFAULT_KIND if remove else value)
+            for k in [k for k in table if new is not None and k not in _aliases(new)]:
+                del table[k]
+        if remove:
+            table.pop(parts[-1], None)
+            continue
         for group in _EXCLUSIVE:
             if key in group:
                 for other in group:
@@ -771,8 +882,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str | tuple[str, s
                         sec = data.get(section)
                         if isinstance(sec, dict):
                             sec.pop(leaf, None)
-        table[parts[-1]] = _parse_value(raw.strip())
-        touched[key] = source
+        table[parts[-1]] = value
     return touched
 
 
@@ -837,6 +947,8 @@ class ResolvedHardware:
     d2h_bandwidth: int
     h2d_latency_s: float
     d2h_latency_s: float
+    cpu_ram_bytes: int | None = None  #: host RAM of the node (the profile's; no override)
+    gpus_per_node: int | None = None  #: GPUs of the node (the profile's; no override)
 
 
 def _available(folder: str) -> str:
@@ -930,7 +1042,8 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         h2d_bandwidth=pick(sec.h2d_bandwidth, hw.h2d_bandwidth),
         d2h_bandwidth=pick(sec.d2h_bandwidth, hw.d2h_bandwidth),
         h2d_latency_s=pick(sec.h2d_latency_s, hw.h2d_latency_s),
-        d2h_latency_s=pick(sec.d2h_latency_s, hw.d2h_latency_s))
+        d2h_latency_s=pick(sec.d2h_latency_s, hw.d2h_latency_s),
+        cpu_ram_bytes=hw.cpu_ram_bytes, gpus_per_node=hw.gpus_per_node)
 
 
 def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
@@ -970,6 +1083,9 @@ class RunSpec:
         h2d: the load link model.
         d2h: the store link model.
         workload_path: the trace file (mooncake), absolute.
+        warnings: one line each, about a valid but doubtful setting (a CPU cache beyond
+            the run's share of the node's host RAM); reported by ``kvsim run`` and
+            recorded in the summary under :data:`HARDWARE_WARNINGS_KEY`.
     """
 
     source: Path
@@ -986,6 +1102,7 @@ class RunSpec:
     h2d: TransferModel
     d2h: TransferModel
     workload_path: Path | None
+    warnings: list[str] = dataclasses.field(default_factory=list)
     #: holds the :class:`sim.io.traces.BadLines` of the last :meth:`requests` stream
     _bad: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -1049,7 +1166,8 @@ class RunSpec:
         """A fresh iterator over the run's requests (call again to restart).
 
         Order of the transforms: the source (with ``time_scale`` for traces),
-        then ``sample``, then ``rate_scale``, then ``limit``.
+        then ``sample``, then ``rate_scale``, then ``arrival_jitter_s`` (traces;
+        so the spread is in the run's seconds), then ``limit``.
         """
         wl = self.scenario.workload
         seed = self.scenario.seed
@@ -1075,6 +1193,8 @@ class RunSpec:
             stream = sample(stream, wl.sample, seed)
         if wl.rate_scale != 1:
             stream = scale_rate(stream, wl.rate_scale)
+        if isinstance(wl, MooncakeWorkload) and wl.arrival_jitter_s:
+            stream = jitter_arrivals(stream, wl.arrival_jitter_s, seed)
         return take(stream, wl.limit)
 
     def resolved(self) -> dict[str, Any]:
@@ -1106,6 +1226,8 @@ class RunSpec:
         wl = sc.workload
         if isinstance(wl, MooncakeWorkload):
             workload = wl.model_dump(exclude_none=True, exclude={"sha256"})
+            if not wl.arrival_jitter_s:   # off: resolved scenarios (and their digests) as before
+                del workload["arrival_jitter_s"]
             if wl.trace is not None:   # the name and the content's digest: the same on every machine
                 assert self.workload_path is not None
                 workload["sha256"] = trace_digest(self.workload_path)
@@ -1227,12 +1349,16 @@ def torch_missing() -> bool:
 TORCH_ALLOWED = "pip install 'kvsim[torch]' (torch==2.13.0)"
 
 
+def _shards(g: ModelGroup, tp: int) -> bool:
+    return g.mla or g.kv_heads % tp == 0 or tp % g.kv_heads == 0
+
+
 def _check_tensor_parallel(model: ResolvedModel, tp: int, source: str) -> None:
     """vLLM shards the KV heads over the workers, or replicates them when
     there are fewer heads than workers: ``tensor_parallel`` must divide the
     KV heads of every (non-MLA) group, or be a multiple of them."""
     for i, g in enumerate(model.groups):
-        if g.mla or g.kv_heads % tp == 0 or tp % g.kv_heads == 0:
+        if _shards(g, tp):
             continue
         divisors = [d for d in range(1, g.kv_heads + 1) if g.kv_heads % d == 0]
         raise InputError(source, "costs.tensor_parallel",
@@ -1240,6 +1366,72 @@ def _check_tensor_parallel(model: ResolvedModel, tp: int, source: str) -> None:
                          f"{model.label!r} (nor is it a multiple of them)",
                          f"a divisor of {g.kv_heads} ({', '.join(map(str, divisors))}) or a multiple of "
                          f"{g.kv_heads}")
+
+
+#: tensor parallelism a "does not fit" error may suggest (at most the node's GPUs)
+TP_CHOICES = (1, 2, 4, 8)
+
+
+def _default_kv_bytes(hw: ResolvedHardware, weights: int, tp: int) -> int:
+    """``gpu_memory_utilization x HBM - weights / tp``: no activation reserve (see above)."""
+    return int(hw.gpu_memory_utilization * hw.hbm_bytes) - -(-weights // tp)
+
+
+def _does_not_fit(model: ResolvedModel, hw: ResolvedHardware, weights: int, tp: int, kv: int,
+                  s: SchedulerSection, source: str) -> InputError:
+    """The model's weights leave no KV pool (2 blocks) at ``tp``: name the smallest
+    tensor parallelism of :data:`TP_CHOICES` that shards the KV heads and leaves one."""
+    gpus = hw.gpus_per_node
+    fit = None
+    for t in TP_CHOICES:
+        if (gpus is not None and t > gpus) or not all(_shards(g, t) for g in model.groups):
+            continue
+        layout = Layout.of([group_spec(g, t) for g in model.groups], s.tokens_per_hash, s.blocks_per_chunk)
+        block = max(layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups)))
+        if _default_kv_bytes(hw, weights, t) >= 2 * block:
+            fit = t
+            break
+    usable = int(hw.gpu_memory_utilization * hw.hbm_bytes)
+    left = f"leave only {gib(kv)} (less than 2 KV blocks)" if kv > 0 else "leave nothing"
+    problem = (f"model {model.label!r} does not fit on one {hw.name} at tensor_parallel {tp}: "
+               f"{gib(-(-weights // tp), up=True)} of weights per GPU ({gib(weights, up=True)} / {tp}) "
+               f"{left} "
+               f"of the {gib(usable)} vLLM may use ({hw.gpu_memory_utilization} x {gib(hw.hbm_bytes)} HBM) "
+               "for the KV cache")
+    rest = "or set hardware.gpu_kv_bytes or hardware.gpu_blocks"
+    if fit is not None:
+        allowed = (f"costs.tensor_parallel = {fit} ({gib(-(-weights // fit), up=True)} of weights per GPU, "
+                   f"{gib(_default_kv_bytes(hw, weights, fit))} left for the KV cache), {rest}")
+    else:
+        within = f"up to the node's {gpus} GPUs" if gpus is not None else \
+            "of " + ", ".join(map(str, TP_CHOICES))
+        allowed = (f"no tensor_parallel {within} that shards the KV heads fits: a GPU with more HBM, "
+                   f"smaller model.weights_bytes, {rest}")
+    return InputError(source, "hardware.gpu_kv_bytes", problem, allowed)
+
+
+def _host_ram(sc: RunScenario, hw: ResolvedHardware, tp: int, cpu_bytes: int, source: str) -> list[str]:
+    """A CPU cache beyond the node's host RAM is refused; beyond the run's share of
+    it (``cpu_ram_bytes x tp / gpus_per_node``) it is one warning line."""
+    ram = hw.cpu_ram_bytes
+    if ram is None or cpu_bytes == 0:
+        return []
+    cc = sc.cpu_cache
+    key = "cpu_cache.capacity" if cc.capacity is not None else "cpu_cache.chunks"
+    what = gib(cpu_bytes, up=True)
+    if cc.capacity is None:
+        what = f"{cc.chunks:,} chunk slots ({what})"
+    share = ram * tp // hw.gpus_per_node if hw.gpus_per_node is not None else ram
+    if cpu_bytes > ram:
+        mine = f"; this run's share at tensor_parallel {tp}: {gib(share)}" if share < ram else ""
+        raise InputError(source, key, f"{what} of CPU cache is more than the {gib(ram)} of host RAM of "
+                         f"one whole {hw.name} node (hardware profile cpu_ram_bytes)",
+                         f"at most {gib(ram)}{mine}")
+    if cpu_bytes > share:
+        return [f"{key}: {what} of CPU cache is more than this run's share of the {gib(ram)} of host RAM "
+                f"of one {hw.name} node ({gib(ram)} x tensor_parallel {tp} / {hw.gpus_per_node} GPUs = "
+                f"{gib(share)}); the node's other GPUs would have {gib(ram - cpu_bytes)} left"]
+    return []
 
 
 def _cpu_slots(sc: RunScenario, block_bytes: int, copies: int, source: str) -> tuple[int, int]:
@@ -1303,12 +1495,9 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
         else:
             weights = model.weights_bytes if model.weights_bytes is not None else (
                 int(model.params_b * 1e9 * 2) if model.params_b is not None else 0)
-            gpu_kv_bytes = int(hw.gpu_memory_utilization * hw.hbm_bytes) - -(-weights // tp)
-            if gpu_kv_bytes <= 0:
-                raise InputError(source, "hardware.gpu_kv_bytes",
-                                 f"the default ({hw.gpu_memory_utilization} x {hw.hbm_bytes} B HBM minus "
-                                 f"{weights} B of weights / {tp}) is not positive",
-                                 "set hardware.gpu_kv_bytes or hardware.gpu_blocks")
+            gpu_kv_bytes = _default_kv_bytes(hw, weights, tp)
+            if gpu_kv_bytes < 2 * block_bytes:
+                raise _does_not_fit(model, hw, weights, tp, gpu_kv_bytes, s, source)
         gpu_blocks = gpu_kv_bytes // block_bytes
         if gpu_blocks < 2:
             raise InputError(source, "hardware.gpu_kv_bytes",
@@ -1323,6 +1512,9 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
 
     copies = 1 if all(g.mla for g in model.groups) else tp   # MLA caches are replicated, one copy
     cpu_chunks, slot = _cpu_slots(sc, block_bytes, copies, source)
+    cpu_bytes = 0 if not s.offloading else (
+        sc.cpu_cache.capacity if sc.cpu_cache.capacity is not None else cpu_chunks * slot)
+    warnings = _host_ram(sc, hw, tp, cpu_bytes, source)
     workload_path: Path | None = None
     wl = sc.workload
     if isinstance(wl, MooncakeWorkload):
@@ -1360,7 +1552,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
                    block_bytes=block_bytes, gpu_kv_bytes=gpu_kv_bytes, gpu_blocks=gpu_blocks,
                    cpu_chunks=cpu_chunks, cpu_slot_bytes=slot,
                    step_cost=_step_cost(sc, model, hw, source), h2d=h2d, d2h=d2h,
-                   workload_path=workload_path)
+                   workload_path=workload_path, warnings=warnings)
 
 
 def load_run(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()) -> RunSpec:

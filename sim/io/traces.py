@@ -16,8 +16,9 @@ What it provides
     Mooncake JSONL and CSV files may be gzip-compressed (a ``.gz`` name or
     the gzip magic bytes); they are decompressed as they stream.
 
-    :func:`trace_stats` summarises a trace (counts, rates, length
-    percentiles, prefix reuse of hash-id traces); :func:`fetch_trace`
+    :func:`trace_stats` summarises a trace (counts, rates, arrival
+    burstiness, length percentiles, prefix reuse and reuse distance of
+    hash-id traces); :func:`fetch_trace`
     downloads a published trace into a cache folder and verifies its digest;
     :func:`resolve_trace` finds a published trace by name for a scenario
     (``$KVSIM_TRACES``, then the fetch cache) and :func:`trace_digest` is the
@@ -719,7 +720,7 @@ def _iter_parquet(path: Path, source: str, skip_bad: bool, bad: BadLines | None,
 # Statistics
 # ----------------------------------------------------------------------------------------------
 
-def _percentile(values: list[int] | array[int], q: float) -> float:
+def _percentile(values: list[int] | list[float] | array[int], q: float) -> float:
     """Linear-interpolation percentile (numpy's default) of sorted ``values``."""
     pos = q * (len(values) - 1)
     lo = math.floor(pos)
@@ -731,6 +732,78 @@ def _summary(values: array[int]) -> dict[str, float]:
     s = sorted(values)
     return {"mean": sum(s) / len(s), "p50": _percentile(s, 0.50), "p99": _percentile(s, 0.99),
             "max": float(s[-1])}
+
+
+def _spread(values: array[int] | array[float]) -> dict[str, float] | None:
+    """p50, p90 and max of ``values`` (``None`` when empty)."""
+    if not values:
+        return None
+    s = sorted(values)
+    return {"p50": float(_percentile(s, 0.50)), "p90": float(_percentile(s, 0.90)), "max": float(s[-1])}
+
+
+class _Moments:
+    """Streaming mean and population standard deviation (Welford)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    def cv(self) -> float | None:
+        """Standard deviation over mean (population, ddof 0); ``None`` without a positive mean."""
+        if self.n == 0 or self.mean <= 0:
+            return None
+        return math.sqrt(max(self.m2, 0.0) / self.n) / self.mean
+
+
+class _Bursts:
+    """Arrival-time burstiness of a non-decreasing stream of timestamps, in O(1) memory."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.prev = 0.0
+        self.run = 0                   # requests at the current timestamp
+        self.distinct = 0
+        self.largest = 0
+        self.largest_at = 0.0
+        self.together = 0              # requests sharing their timestamp with another
+        self.gaps = _Moments()         # every consecutive pair (zeros included)
+        self.distinct_gaps = _Moments()
+
+    def _close(self) -> None:
+        if self.run > self.largest:
+            self.largest, self.largest_at = self.run, self.prev
+        if self.run > 1:
+            self.together += self.run
+
+    def add(self, t: float) -> None:
+        if self.n:
+            self.gaps.add(t - self.prev)
+        if self.n and t == self.prev:
+            self.run += 1
+        else:
+            if self.n:
+                self._close()
+                self.distinct_gaps.add(t - self.prev)
+            self.distinct += 1
+            self.run = 1
+        self.n += 1
+        self.prev = t
+
+    def result(self) -> dict[str, Any]:
+        self._close()
+        self.run = 0
+        return {"distinct_times": self.distinct, "largest_burst": self.largest,
+                "largest_burst_at_s": self.largest_at, "simultaneous_ratio": self.together / self.n,
+                "mean_interarrival_s": self.gaps.mean if self.gaps.n else None,
+                "interarrival_cv": self.gaps.cv(), "interarrival_cv_distinct": self.distinct_gaps.cv()}
 
 
 def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_bad: bool = False,
@@ -748,7 +821,19 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
     ``prefix_hit_token_ratio`` (input tokens inside the leading run of
     already-seen blocks, over all input tokens of those records: an infinite
     prefix cache), ``requests_reusing_ratio``, ``blocks_per_request`` and
-    ``reused_prefix_blocks`` (summaries). ``prefix_groups`` (kvsim traces with
+    ``reused_prefix_blocks`` (summaries), ``reused_refs`` (references to an id
+    seen earlier) and, over those references, ``reuse_distance_requests`` and
+    ``reuse_distance_s`` (``p50``, ``p90``, ``max``; ``None`` without reuse):
+    how many requests later, and how many seconds later, an id is referenced
+    again after its previous reference (the time a cache must hold a block for
+    that reference to hit). ``arrivals`` (burstiness): ``distinct_times``,
+    ``largest_burst`` (most requests at one timestamp) and
+    ``largest_burst_at_s`` (its first time), ``simultaneous_ratio`` (requests
+    sharing their timestamp with at least one other), ``mean_interarrival_s``,
+    ``interarrival_cv`` (standard deviation over mean of the gaps between
+    consecutive requests, zeros included; population deviation) and
+    ``interarrival_cv_distinct`` (the same over consecutive distinct
+    timestamps); a CV is ``None`` without a positive mean gap. ``prefix_groups`` (kvsim traces with
     prefix groups, else ``None``): ``requests``, ``groups``,
     ``reuse_token_ratio`` (prefix tokens of groups seen earlier over those
     records' input tokens).
@@ -761,7 +846,12 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
     inputs: array[int] = array("q")
     outputs: array[int] = array("q")
     first = last = 0.0
-    seen: set[int] = set()
+    bursts = _Bursts()
+    # hash id -> index of the last request that referenced it; arrival time by request index
+    last_use: dict[int, int] = {}
+    times: array[float] = array("d")
+    dist_req: array[int] = array("q")
+    dist_s: array[float] = array("d")
     sizes: set[int] = set()
     blocks: array[int] = array("q")
     reused_prefix: array[int] = array("q")
@@ -772,18 +862,24 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
         if not inputs:
             first = rec.arrival_s
         last = rec.arrival_s
+        index = len(inputs)
+        bursts.add(rec.arrival_s)
+        times.append(rec.arrival_s)
         inputs.append(rec.input_tokens)
         outputs.append(rec.output_tokens)
         if rec.hash_ids is not None and rec.block_tokens is not None:
             lead = r = 0
             in_prefix = True
             for h in rec.hash_ids:
-                if h in seen:
+                prev = last_use.get(h)
+                last_use[h] = index
+                if prev is not None:
                     r += 1
+                    dist_req.append(index - prev)
+                    dist_s.append(rec.arrival_s - times[prev])
                     if in_prefix:
                         lead += 1
                 else:
-                    seen.add(h)
                     in_prefix = False
             refs += len(rec.hash_ids)
             reused += r
@@ -811,12 +907,15 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
             "requests": len(blocks),
             "block_tokens": sorted(sizes),
             "block_refs": refs,
-            "unique_blocks": len(seen),
+            "unique_blocks": len(last_use),
             "reuse_ratio": reused / refs if refs else 0.0,
             "prefix_hit_token_ratio": hit_tokens / hashed_input,
             "requests_reusing_ratio": reusing / len(blocks),
             "blocks_per_request": _summary(blocks),
             "reused_prefix_blocks": _summary(reused_prefix),
+            "reused_refs": reused,
+            "reuse_distance_requests": _spread(dist_req),
+            "reuse_distance_s": _spread(dist_s),
         }
     grouped_stats: dict[str, Any] | None = None
     if grouped:
@@ -831,6 +930,7 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
         "last_arrival_s": last,
         "duration_s": duration,
         "rate_per_s": len(inputs) / duration if duration > 0 else None,
+        "arrivals": bursts.result(),
         "input_tokens": _summary(inputs),
         "output_tokens": _summary(outputs),
         "hash_ids": hashed,
@@ -842,6 +942,23 @@ def _fmt(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
+def _burst_rows(a: dict[str, Any], requests: int) -> list[tuple[str, str]]:
+    """The burstiness lines of :func:`format_stats`."""
+    def cv(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    gap = a["mean_interarrival_s"]
+    return [
+        ("arrival times", f"{a['distinct_times']:,} distinct for {requests:,} requests "
+                          f"(mean {requests / a['distinct_times']:.2f} per time)"),
+        ("largest burst", f"{a['largest_burst']:,} requests at {a['largest_burst_at_s']:,.3f} s"),
+        ("simultaneous", f"{a['simultaneous_ratio']:.1%} of requests share their arrival time"),
+        ("inter-arrival CV", f"{cv(a['interarrival_cv'])} over all gaps (zeros included), "
+                             f"{cv(a['interarrival_cv_distinct'])} over distinct times"
+                             + ("" if gap is None else f"; mean gap {gap:,.3f} s")),
+    ]
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """``trace_stats`` as an aligned text table."""
     rows: list[tuple[str, str]] = [
@@ -850,6 +967,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         ("duration", f"{stats['duration_s']:,.1f} s (arrivals {stats['first_arrival_s']:,.3f} .. "
                      f"{stats['last_arrival_s']:,.3f} s)"),
         ("rate", "-" if stats["rate_per_s"] is None else f"{stats['rate_per_s']:.2f} req/s"),
+        *_burst_rows(stats["arrivals"], stats["requests"]),
     ]
     dists: list[tuple[str, dict[str, float]]] = [
         ("input tokens", stats["input_tokens"]), ("output tokens", stats["output_tokens"])]
@@ -867,6 +985,11 @@ def format_stats(stats: dict[str, Any]) -> str:
             ("prefix-hit tokens", f"{h['prefix_hit_token_ratio']:.3f} of input tokens (infinite cache)"),
             ("requests reusing", f"{h['requests_reusing_ratio']:.1%} of requests reuse >= 1 block"),
         ]
+        dr, ds = h["reuse_distance_requests"], h["reuse_distance_s"]
+        if dr is not None and ds is not None:
+            by_req = f"p50 {_fmt(dr['p50'])} / p90 {_fmt(dr['p90'])} / max {_fmt(dr['max'])} requests"
+            by_s = f"p50 {ds['p50']:,.2f} / p90 {ds['p90']:,.2f} / max {ds['max']:,.2f} s"
+            out_rows.append(("reuse distance", f"{by_req}; {by_s} since the block's previous use"))
     g = stats["prefix_groups"]
     if g is not None:
         out_rows += [

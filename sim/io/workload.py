@@ -33,8 +33,9 @@ What it models
     :data:`AGENTIC` is a multi-turn preset for agentic tool loops (a long
     shared prefix, short appends, many quick turns); ``system_prompts > 1``
     gives several shared system prompts; :func:`iter_uniform` draws
-    independent requests (no sharing). :func:`scale_rate`, :func:`sample` and
-    :func:`take` transform any stream.
+    independent requests (no sharing). :func:`scale_rate`, :func:`sample`,
+    :func:`jitter_arrivals` (spreads requests that share a timestamp, seeded)
+    and :func:`take` transform any stream.
 
     The multi-turn defaults are chosen to resemble the Mooncake conversation
     trace (README: 3.4 req/s, input mean 12.0k / p50 6.9k / p99 85k tokens,
@@ -110,6 +111,7 @@ __all__ = [
     "iter_multiturn",
     "iter_trace",
     "iter_uniform",
+    "jitter_arrivals",
     "multiturn_count",
     "replace_arrival",
     "request_total",
@@ -732,6 +734,68 @@ def take(stream: Iterator[Request], limit: int | None) -> Iterator[Request]:
     if type(limit) is not int or limit < 0:
         raise InputError("workload", "limit", f"{limit!r}", "None or an integer >= 0")
     return (r for _, r in zip(range(limit), stream, strict=False))
+
+
+def jitter_arrivals(stream: Iterator[Request], jitter_s: float, seed: int) -> Iterator[Request]:
+    """Spread requests that share one arrival time ``t`` over ``[t, t + jitter_s)``.
+
+    A request alone at its time keeps it. Each request of a group of two or
+    more moves by ``jitter_s * u``, ``u`` in ``[0, 1)`` derived from a blake2b
+    hash of ``seed`` and its ``req_id`` (never from a global random state), so
+    the same seed gives the same stream. The output is sorted by the new times
+    (ties in the original order). It stays lazy: a request is held only until
+    no later request can arrive before it, i.e. about the requests of one
+    ``jitter_s`` window (groups spread wider than the gap to the next time
+    interleave with it; nothing is capped). ``jitter_s = 0`` returns ``stream``.
+
+    Raises:
+        InputError: ``jitter_s`` is not a finite number >= 0 (key ``arrival_jitter_s``).
+    """
+    if not (isinstance(jitter_s, (int, float)) and not isinstance(jitter_s, bool)
+            and math.isfinite(jitter_s) and jitter_s >= 0):
+        raise InputError("workload", "arrival_jitter_s", f"{jitter_s!r}", "a finite number of seconds >= 0")
+    if type(seed) is not int:
+        raise InputError("workload", "seed", f"{seed!r}", "an integer")
+    if jitter_s == 0:
+        return stream
+    return _jitter_stream(stream, float(jitter_s), seed)
+
+
+def _jitter_unit(key: bytes, req_id: str) -> float:
+    """A uniform number in [0, 1) from ``req_id`` alone (53 bits of a keyed blake2b)."""
+    digest = hashlib.blake2b(req_id.encode("utf-8"), digest_size=8, key=key, person=b"kvsim-jitter").digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53
+
+
+def _jitter_stream(stream: Iterator[Request], jitter: float, seed: int) -> Iterator[Request]:
+    key = seed.to_bytes(16, "little", signed=True)
+    # (new arrival, input order, request): the input order breaks ties, so requests never compare
+    heap: list[tuple[float, int, Request]] = []
+    group: list[Request] = []
+    order = 0
+
+    def flush() -> None:
+        nonlocal order
+        alone = len(group) == 1
+        for r in group:
+            t = r.arrival_s
+            if not alone:
+                # t + jitter * u, kept below t + jitter despite rounding
+                t = min(t + jitter * _jitter_unit(key, r.req_id), math.nextafter(t + jitter, t))
+            heapq.heappush(heap, (t, order, r if alone else replace_arrival(r, t)))
+            order += 1
+        group.clear()
+
+    for r in stream:
+        if group and r.arrival_s != group[0].arrival_s:
+            flush()
+            # every later request arrives at r.arrival_s or after
+            while heap and heap[0][0] <= r.arrival_s:
+                yield heapq.heappop(heap)[2]
+        group.append(r)
+    flush()
+    while heap:
+        yield heapq.heappop(heap)[2]
 
 
 def replace_arrival(r: Request, arrival_s: float) -> Request:

@@ -40,7 +40,7 @@ from sim.engine.metrics import TABLES, Recorder
 from sim.errors import InputError
 from sim.io.check import write_reproducers
 from sim.io.results import ParquetSink, RunWriter, clean_floats, out_error
-from sim.io.scenario import RunSpec
+from sim.io.scenario import HARDWARE_WARNINGS_KEY, RunSpec
 from sim.io.workload import Request
 
 __all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "signal_name", "signal_of", "stop_pool",
@@ -273,6 +273,8 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     try:
         figures = result.summary.figures()
         summary = {"run": header, "end": result.status, **figures}
+        if spec.warnings:   # doubtful but valid settings (a CPU cache beyond the run's share of the node)
+            summary[HARDWARE_WARNINGS_KEY] = list(spec.warnings)
         if result.reproducers:
             try:
                 summary["reproducers"] = write_reproducers(writer.folder / "reproducers", result.reproducers)
