@@ -1,20 +1,25 @@
-"""kvsim: a discrete-event simulator of vLLM KV-cache CPU offloading."""
+"""kvsim: a discrete-event simulator of vLLM KV-cache CPU offloading.
+
+Reading results back (columns: ``docs/columns.md``): :func:`load_results` (one
+run folder), :func:`load_runs` (the requests of many runs, one long table),
+:func:`summaries` (one row per run), :func:`load_sweep` (a sweep folder).
+"""
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.io.results import load_results
+    from sim.io.results import load_results, load_runs, summaries
     from sim.tools.sweep import load_sweep
 
-__all__ = ["load_results", "load_sweep"]
+__all__ = ["load_results", "load_runs", "load_sweep", "summaries"]
 
 
 def __getattr__(name: str) -> Any:
     """Lazy exports, so that ``import sim`` stays light."""
-    if name == "load_results":
-        from sim.io.results import load_results  # noqa: PLC0415 -- `import sim` stays light
+    if name in ("load_results", "load_runs", "summaries"):
+        from sim.io import results  # noqa: PLC0415 -- `import sim` stays light
 
-        return load_results
+        return getattr(results, name)
     if name == "load_sweep":
         from sim.tools.sweep import load_sweep  # noqa: PLC0415 -- `import sim` stays light
 

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Protocol
 from sim.model.scheduler import SchedulerStats
 
 __all__ = [
+    "COLUMN_DOCS",
     "ROW_TYPES",
     "TABLES",
     "EventRow",
@@ -56,47 +57,53 @@ __all__ = [
 ]
 
 class RequestRow(NamedTuple):
-    """One request, written when it leaves the system."""
+    """One request, written when it leaves the system.
+
+    Units and meanings: ``COLUMN_DOCS["requests"]``.
+    """
 
     req_id: str
     session_id: str | None
-    status: str                    # finished | rejected | unfinished
+    status: str
     arrival_s: float
-    scheduled_s: float | None      # first admission (load issued or first prefill step)
+    scheduled_s: float | None
     first_token_s: float | None
     finish_s: float | None
-    ttft_s: float | None           # first_token_s - arrival_s (None: no token)
-    tpot_s: float | None           # (finish_s - first_token_s) / (output_tokens - 1); None below 2 tokens
+    ttft_s: float | None
+    tpot_s: float | None
     prompt_tokens: int
     output_tokens: int
-    gpu_hit_tokens: int            # local GPU prefix-cache hit at first admission
-    cpu_hit_tokens: int            # tokens loaded from the CPU cache at first admission
-    cpu_reload_tokens: int         # tokens loaded again after a preemption
-    computed_tokens: int           # prefill tokens computed on the GPU (all passes)
-    recomputed_tokens: int         # of those, tokens computed again (preemption, dropped hit)
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    cpu_reload_tokens: int
+    computed_tokens: int
+    recomputed_tokens: int
     loaded_bytes: int
     stored_bytes: int
     load_jobs: int
     store_jobs: int
-    deferrals: int                 # lookups answered "ask again next step"
-    deferrals_in_flight_jobs: int  # ... because the request's own jobs were in flight
-    deferrals_pending_or_retry: int  # ... because a hit chunk was pending a store or marked retry
-    deferrals_being_loaded: int    # ... because a hit chunk was being loaded for another request
-    deferred_s: float              # time from a deferred lookup to the next answered one, summed
+    deferrals: int
+    deferrals_in_flight_jobs: int
+    deferrals_pending_or_retry: int
+    deferrals_being_loaded: int
+    deferred_s: float
     preemptions: int
-    crash: str | None              # kind of the modelled crash this request hit, if any
+    crash: str | None
 
 
 class StepRow(NamedTuple):
-    """One engine step, or a run of fast-forwarded decode steps."""
+    """One engine step, or a run of fast-forwarded decode steps.
 
-    step: int                      # index of the first step of the row
-    n_steps: int                   # > 1 for fast-forwarded decode runs
+    Units and meanings: ``COLUMN_DOCS["steps"]``.
+    """
+
+    step: int
+    n_steps: int
     start_s: float
-    duration_s: float              # of all n_steps
+    duration_s: float
     prefill_tokens: int
-    decode_seqs: int               # per step
-    context_tokens: float          # attended context in full-attention token equivalents
+    decode_seqs: int
+    context_tokens: float
     running: int
     waiting: int
     loads: int
@@ -106,22 +113,28 @@ class StepRow(NamedTuple):
 
 
 class TransferRow(NamedTuple):
-    """One load (h2d) or store (d2h) job."""
+    """One load (h2d) or store (d2h) job.
+
+    Units and meanings: ``COLUMN_DOCS["transfers"]``.
+    """
 
     job_id: int
     req_id: str
-    direction: str                 # h2d (load) | d2h (store)
+    direction: str
     chunks: int
     blocks: int
     bytes: int
     submit_s: float
     start_s: float
     end_s: float
-    flushed: bool                  # a store the engine had to wait for (spec §7.6)
+    flushed: bool
 
 
 class OccupancyRow(NamedTuple):
-    """One sample of CPU chunk states, GPU blocks, queues and links."""
+    """One sample of CPU chunk states, GPU blocks, queues and links.
+
+    Units and meanings: ``COLUMN_DOCS["occupancy"]``.
+    """
 
     t_s: float
     cpu_present: int
@@ -138,14 +151,17 @@ class OccupancyRow(NamedTuple):
 
 
 class EventRow(NamedTuple):
-    """One modelled crash, hazard, rejection, deadlock break or integrity violation."""
+    """One modelled crash, hazard, rejection, deadlock break or integrity violation.
+
+    Units and meanings: ``COLUMN_DOCS["events"]``.
+    """
 
     t_s: float
-    kind: str                      # crash | hazard | rejected | preempted | integrity
-    detail: str                    # crash kind / hazard kind / reason
+    kind: str
+    detail: str
     req_id: str | None
-    group: int                     # -1 when not applicable
-    chunk: int                     # -1 when not applicable
+    group: int
+    chunk: int
     message: str
 
 
@@ -176,6 +192,99 @@ def _schema(row: type[Row]) -> tuple[tuple[str, str], ...]:
 #: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "float", "float?", "bool"
 TABLES: dict[str, tuple[tuple[str, str], ...]] = {t: _schema(row) for t, row in ROW_TYPES.items()}
 _TABLE_OF: dict[type, str] = {row: t for t, row in ROW_TYPES.items()}
+
+#: table -> column -> (unit, meaning): the data dictionary of the run tables
+#: (``docs/columns.md`` is generated from it: ``python -m sim.io.columns``). Units:
+#: ``s`` simulated seconds, ``tokens``, ``bytes``, ``blocks`` (GPU blocks),
+#: ``chunks`` (CPU chunk slots), ``requests``, ``jobs``, ``count``; ``-`` for ids and text.
+COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
+    "requests": {
+        "req_id": ("-", "the request's id (the trace's, or generated)"),
+        "session_id": ("-", "its conversation or session, null when the workload has none"),
+        "status": ("-", "finished | rejected (too long for the GPU pool) | unfinished (still in flight when "
+                        "the run stopped)"),
+        "arrival_s": ("s", "arrival time"),
+        "scheduled_s": ("s", "first admission (load issued or first prefill step); null if never admitted"),
+        "first_token_s": ("s", "time of the first output token; null if none"),
+        "finish_s": ("s", "time the last output token was produced; null if not finished"),
+        "ttft_s": ("s", "time to first token: first_token_s - arrival_s; null without a token"),
+        "tpot_s": ("s", "time per output token after the first: (finish_s - first_token_s) / "
+                        "(output_tokens - 1); null below 2 tokens"),
+        "prompt_tokens": ("tokens", "prompt length"),
+        "output_tokens": ("tokens", "tokens generated"),
+        "gpu_hit_tokens": ("tokens", "prompt tokens found in the local GPU prefix cache at first admission"),
+        "cpu_hit_tokens": ("tokens", "prompt tokens loaded from the CPU cache at first admission"),
+        "cpu_reload_tokens": ("tokens", "tokens loaded from the CPU cache again after a preemption"),
+        "computed_tokens": ("tokens", "prefill tokens computed on the GPU, all passes"),
+        "recomputed_tokens": ("tokens", "of computed_tokens, those computed again (after a preemption or "
+                                        "a dropped CPU hit)"),
+        "loaded_bytes": ("bytes", "bytes loaded host to device (h2d) for this request"),
+        "stored_bytes": ("bytes", "bytes stored device to host (d2h) for this request"),
+        "load_jobs": ("jobs", "load jobs of this request"),
+        "store_jobs": ("jobs", "store jobs of this request"),
+        "deferrals": ("count", "lookups answered 'ask again next step' (all reasons)"),
+        "deferrals_in_flight_jobs": ("count", "deferrals because the request's own jobs were in flight"),
+        "deferrals_pending_or_retry": ("count", "deferrals because a hit chunk was pending a store or "
+                                                "marked retry"),
+        "deferrals_being_loaded": ("count", "deferrals because a hit chunk was being loaded for another "
+                                            "request"),
+        "deferred_s": ("s", "time from a deferred lookup to the next answered one, summed"),
+        "preemptions": ("count", "times the request was preempted"),
+        "crash": ("-", "kind of the modelled crash this request hit (missing_chunk, chunk_not_ready, "
+                       "assertion), null if none"),
+    },
+    "steps": {
+        "step": ("count", "index of the first engine step of the row"),
+        "n_steps": ("count", "steps in the row: 1, or more for a fast-forwarded run of pure decode steps"),
+        "start_s": ("s", "start of the (first) step"),
+        "duration_s": ("s", "duration of all n_steps steps"),
+        "prefill_tokens": ("tokens", "prompt tokens computed in the step"),
+        "decode_seqs": ("requests", "requests decoding one token, per step"),
+        "context_tokens": ("tokens", "attended context, in full-attention token equivalents"),
+        "running": ("requests", "running requests at the end of the step"),
+        "waiting": ("requests", "waiting requests at the end of the step (waiting for KV included)"),
+        "loads": ("jobs", "load jobs submitted in the step"),
+        "stores": ("jobs", "store jobs submitted in the step"),
+        "preemptions": ("count", "requests preempted in the step"),
+        "gpu_blocks_used": ("blocks", "GPU KV blocks in use (referenced) at the end of the step"),
+    },
+    "transfers": {
+        "job_id": ("-", "the job's id, unique in the run"),
+        "req_id": ("-", "the request it belongs to"),
+        "direction": ("-", "h2d (a load from the CPU cache) | d2h (a store to the CPU cache)"),
+        "chunks": ("chunks", "CPU chunks moved"),
+        "blocks": ("blocks", "GPU blocks moved"),
+        "bytes": ("bytes", "bytes moved"),
+        "submit_s": ("s", "time the job was submitted"),
+        "start_s": ("s", "time it started on its link (after queueing behind other jobs)"),
+        "end_s": ("s", "time it completed"),
+        "flushed": ("-", "a store the engine had to wait for before going on (spec section 7.6)"),
+    },
+    "occupancy": {
+        "t_s": ("s", "sample time: the first step boundary at or after each output.occupancy_interval_s"),
+        "cpu_present": ("chunks", "CPU chunk slots holding a stored chunk, ready to load"),
+        "cpu_pending_store": ("chunks", "CPU chunk slots whose store is in flight"),
+        "cpu_loading": ("chunks", "CPU chunk slots being loaded to the GPU"),
+        "cpu_free": ("chunks", "free CPU chunk slots"),
+        "gpu_blocks_used": ("blocks", "GPU KV blocks in use (referenced by a request)"),
+        "gpu_blocks_cached": ("blocks", "GPU KV blocks findable in the prefix cache (in use or free)"),
+        "running": ("requests", "running requests"),
+        "waiting": ("requests", "waiting requests, those waiting for their KV load excluded"),
+        "waiting_for_kv": ("requests", "requests waiting for their load from the CPU cache"),
+        "h2d_queue": ("jobs", "load jobs queued or in flight on the host-to-device link"),
+        "d2h_queue": ("jobs", "store jobs queued or in flight on the device-to-host link"),
+    },
+    "events": {
+        "t_s": ("s", "time of the event"),
+        "kind": ("-", "crash | hazard | rejected | preempted (a deadlock break) | integrity"),
+        "detail": ("-", "the crash kind, hazard kind (double_load, unsafe_read), rejection reason "
+                        "(too_long), deadlock_break, or where an integrity violation was found"),
+        "req_id": ("-", "the request concerned, null if none"),
+        "group": ("-", "the KV cache group concerned, -1 when not applicable"),
+        "chunk": ("-", "the chunk index concerned, -1 when not applicable"),
+        "message": ("-", "one line for a human"),
+    },
+}
 
 
 class Sink(Protocol):

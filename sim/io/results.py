@@ -60,6 +60,7 @@ import os
 import re
 import shutil
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,7 @@ import pyarrow.parquet as pq
 
 from sim.engine.metrics import TABLES
 from sim.errors import InputError
+from sim.io.columns import RESOLVED_DOCS, flat_summary, key_type, summary_arrays
 from sim.io.scenario import human_bytes
 
 if TYPE_CHECKING:
@@ -80,14 +82,26 @@ __all__ = [
     "RunWriter",
     "arrow_schema",
     "clean_leftovers",
+    "concat_frames",
+    "find_unreadable",
+    "key_table",
     "load_results",
+    "load_runs",
     "make_folder",
     "move_into_place",
     "out_error",
     "pid_alive",
+    "read_json",
+    "read_parquet",
+    "read_table",
+    "read_toml",
     "remove_created",
+    "scenario_columns",
+    "summaries",
     "summary_table",
     "temp_beside",
+    "unreadable",
+    "with_keys",
     "write_json_atomic",
     "write_text_atomic",
 ]
@@ -465,26 +479,235 @@ def load_results(path: str | Path) -> RunResults:
     reads as an empty DataFrame with the table's columns.
 
     Raises:
-        InputError: ``path`` is not a run folder (no ``summary.json``).
+        InputError: ``path`` is not a run folder (no ``summary.json``), or a
+            file in it cannot be read (truncated or corrupt), naming the file.
     """
 
     folder = Path(path)
     if not (folder / "summary.json").is_file():
         raise InputError(str(folder), "", "not a run folder (no summary.json)",
                          "a folder written by kvsim run")
+    summary = read_json(folder / "summary.json")
+    if not isinstance(summary, dict):
+        raise InputError(str(folder / "summary.json"), "", "not a JSON object", RERUN)
+    scenario_file = folder / "scenario.toml"
+    scenario = read_toml(scenario_file) if scenario_file.is_file() else {}
+    info_file = folder / "run_info.json"
+    run_info = read_json(info_file) if info_file.is_file() else {}
     frames: dict[str, Any] = {}
     for table in TABLES:
         f = folder / f"{table}.parquet"
-        if f.is_file():
-            frames[table] = pq.read_table(f).to_pandas()
-        else:
-            frames[table] = arrow_schema(table).empty_table().to_pandas()
-    summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
-    scenario_file = folder / "scenario.toml"
-    scenario = tomllib.loads(scenario_file.read_text(encoding="utf-8")) if scenario_file.is_file() else {}
-    info_file = folder / "run_info.json"
-    run_info = json.loads(info_file.read_text(encoding="utf-8")) if info_file.is_file() else {}
+        frames[table] = (read_parquet(f) if f.is_file() else arrow_schema(table).empty_table()).to_pandas()
     return RunResults(path=folder, summary=summary, scenario=scenario, run_info=run_info, **frames)
+
+
+# -- reading files of a results folder: a damaged one is bad input naming it -------------------
+
+#: what to do about a results file that cannot be read
+RERUN = "a complete kvsim results folder (run the command again)"
+_KINDS = {".parquet": "Parquet", ".json": "JSON", ".toml": "TOML"}
+
+
+def unreadable(path: Path | str, exc: BaseException) -> InputError:
+    """``FILE: not a readable Parquet file (truncated or corrupt: ...)``, from what reading it raised."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = re.sub(r"^Could not open Parquet input source '.*?': ", "", text) or type(exc).__name__
+    kind = _KINDS.get(Path(path).suffix, "")
+    return InputError(str(path), "", f"not a readable {kind + ' ' if kind else ''}file "
+                                     f"(truncated or corrupt: {text})", RERUN)
+
+
+def read_parquet(path: Path | str, columns: list[str] | None = None) -> Any:
+    """A Parquet file as a ``pyarrow.Table``.
+
+    Raises:
+        InputError: it cannot be read (:func:`unreadable`).
+    """
+    try:
+        return pq.read_table(path, columns=columns)
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise unreadable(path, exc) from None
+
+
+def read_json(path: Path | str) -> Any:
+    """A JSON file, parsed. Raises InputError (:func:`unreadable`) when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise unreadable(path, exc) from None
+
+
+def read_toml(path: Path | str) -> dict[str, Any]:
+    """A TOML file, parsed. Raises InputError (:func:`unreadable`) when it cannot be read."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        raise unreadable(path, exc) from None
+
+
+def find_unreadable(folder: Path | str) -> InputError | None:
+    """The first file of a results folder (subfolders included, hidden ones and ``plots``
+    not) that cannot be read, as :func:`unreadable` says it; None when every file reads.
+
+    For telling which file made a read fail after the fact: Parquet files are
+    checked by their footer (what truncation breaks), JSON and TOML files in full.
+    """
+    for f in sorted(Path(folder).rglob("*")):
+        parts = f.relative_to(folder).parts
+        if any(p.startswith(".") or p == "plots" for p in parts) or not f.is_file():
+            continue
+        try:
+            if f.suffix == ".parquet":
+                pq.read_metadata(f)
+            elif f.suffix == ".json":
+                read_json(f)
+            elif f.suffix == ".toml":
+                read_toml(f)
+        except InputError as exc:
+            return exc
+        except Exception as exc:  # pyarrow: ArrowInvalid, OSError, ...
+            return unreadable(f, exc)
+    return None
+
+
+# -- many runs as one table (docs/columns.md) ---------------------------------------------
+
+
+def _read_run_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``summary.json``, ``scenario.toml`` or ``{}``) of a run folder.
+
+    Raises:
+        InputError: not a run folder, or a file that cannot be read.
+    """
+    if not (folder / "summary.json").is_file():
+        raise InputError(str(folder), "", "not a run folder (no summary.json)",
+                         "a folder written by kvsim run")
+    summary = read_json(folder / "summary.json")
+    if not isinstance(summary, dict):
+        raise InputError(str(folder / "summary.json"), "", "not a JSON object", RERUN)
+    scenario_file = folder / "scenario.toml"
+    return summary, read_toml(scenario_file) if scenario_file.is_file() else {}
+
+
+def scenario_columns(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The resolved configuration (:data:`sim.io.columns.RESOLVED_DOCS`) from a run folder's
+    ``scenario.toml`` (parsed). ``cpu_cache_bytes`` is null when only ``cpu_cache.chunks``
+    was given (the bytes need the model's layout); a key the scenario lacks is null."""
+    def get(section: str, key: str) -> Any:
+        table = scenario.get(section)
+        return table.get(key) if isinstance(table, dict) else None
+
+    hw_profile = get("hardware", "profile")
+    hardware = hw_profile
+    if isinstance(hw_profile, str) and ("/" in hw_profile or hw_profile.endswith(".toml")):
+        hardware = Path(hw_profile).stem
+        with contextlib.suppress(OSError, ValueError):
+            name = tomllib.loads(Path(hw_profile).read_text(encoding="utf-8")).get("name")
+            hardware = name if isinstance(name, str) else hardware
+    raw = scenario.get("workload")
+    wl: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    path = wl.get("path")
+    workload = wl.get("trace") or (Path(path).name if isinstance(path, str) else wl.get("kind"))
+    capacity = get("cpu_cache", "capacity")
+    cpu_bytes = 0 if get("scheduler", "offloading") is False else capacity
+    h2d, d2h = get("hardware", "h2d_bandwidth"), get("hardware", "d2h_bandwidth")
+    return {"model": get("model", "label"), "hardware": hardware, "workload": workload,
+            "cpu_cache_bytes": cpu_bytes, "cpu_cache_policy": get("cpu_cache", "policy"),
+            "window_logic": scenario.get("window_logic"),
+            "blocks_per_chunk": get("scheduler", "blocks_per_chunk"),
+            "h2d_bytes_per_s": None if h2d is None else float(h2d),
+            "d2h_bytes_per_s": None if d2h is None else float(d2h), "seed": scenario.get("seed")}
+
+
+def key_table(keys: dict[str, Any]) -> Any:
+    """One row of identity columns (typed: :func:`sim.io.columns.key_type`) as a ``pyarrow.Table``."""
+    return pa.table({k: pa.array([v], type=key_type(k)) for k, v in keys.items()})
+
+
+def with_keys(keys: Any, table: Any) -> Any:
+    """``table`` (a ``pyarrow.Table``) with the one-row ``keys`` table repeated in front of its columns."""
+    out = keys.take(pa.array([0] * table.num_rows, type=pa.int64()))
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        out = out.append_column(name, column)
+    return out
+
+
+def read_table(folder: Path, table: str) -> Any:
+    """``<folder>/<table>.parquet`` as a ``pyarrow.Table``; empty (with the table's schema) when missing."""
+    f = folder / f"{table}.parquet"
+    return read_parquet(f) if f.is_file() else arrow_schema(table).empty_table()
+
+
+def concat_frames(tables: list[Any], empty: Any) -> Any:
+    """Arrow tables (columns a later kvsim added are null in older ones) as one pandas DataFrame;
+    ``empty`` (a schema) when there is none."""
+    if not tables:
+        return empty.empty_table().to_pandas()
+    return pa.concat_tables(tables, promote_options="default").to_pandas()
+
+
+def _folders(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    return [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+
+
+def load_runs(paths: str | Path | Iterable[str | Path]) -> Any:
+    """Every request of some run folders as one long pandas DataFrame.
+
+    Columns: ``run_id`` (the folder's name), ``run_dir`` (the path as given),
+    ``name``, ``run_status`` (the run's status: a failed run's table is
+    partial), the resolved configuration (``model``, ``hardware``,
+    ``workload``, ``cpu_cache_bytes``, ``cpu_cache_policy``, ``window_logic``,
+    ``blocks_per_chunk``, ``h2d_bytes_per_s``, ``d2h_bytes_per_s``, ``seed``),
+    then the ``requests`` columns (``docs/columns.md``). Rows: the runs in the
+    order given, each in its table's order.
+
+    Raises:
+        InputError: a path is not a run folder or cannot be read.
+    """
+    tables = []
+    for folder, keys, _ in _run_keys(_folders(paths), "run_status"):
+        tables.append(with_keys(key_table(keys), read_table(folder, "requests")))
+    empty = pa.schema([*key_table(_empty_keys("run_status")).schema, *arrow_schema("requests")])
+    return concat_frames(tables, empty)
+
+
+def summaries(paths: str | Path | Iterable[str | Path]) -> Any:
+    """One row per run folder: ``run_id``, ``run_dir``, ``name``, ``status``, ``error``,
+    the resolved configuration, then ``summary.json`` flattened as in ``sweep.parquet``
+    (:func:`sim.io.columns.flat_summary`; null for a failed run). A pandas DataFrame.
+
+    Raises:
+        InputError: a path is not a run folder or cannot be read.
+    """
+    rows = _run_keys(_folders(paths), "status")
+    flats = [flat_summary(summary) if keys["status"] == "ok" else {} for _, keys, summary in rows]
+    keys = [k for _, k, _ in rows] or [_empty_keys("status")]
+    cols = {name: pa.array([k[name] for k in keys] if rows else [], type=key_type(name)) for name in keys[0]}
+    cols.update(summary_arrays(flats))
+    return pa.table(cols).to_pandas()
+
+
+def _empty_keys(status: str) -> dict[str, Any]:
+    keys: dict[str, Any] = {"run_id": "", "run_dir": "", "name": "", status: ""}
+    if status == "status":
+        keys["error"] = ""
+    return keys | dict.fromkeys(RESOLVED_DOCS)
+
+
+def _run_keys(folders: list[Path], status: str) -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
+    """(folder, identity columns, ``summary.json``) of each run folder; ``status`` names the status column."""
+    out = []
+    for folder in folders:
+        summary, scenario = _read_run_files(folder)
+        header = summary.get("run")
+        run: dict[str, Any] = header if isinstance(header, dict) else {}
+        keys: dict[str, Any] = {"run_id": folder.resolve().name, "run_dir": str(folder),
+                                "name": run.get("name") or scenario.get("name") or folder.resolve().name,
+                                status: str(summary.get("status", "ok"))}
+        if status == "status":
+            keys["error"] = "" if keys["status"] == "ok" else str(summary.get("error") or "")
+        out.append((folder, keys | scenario_columns(scenario), summary))
+    return out
 
 
 # -- the printed summary -----------------------------------------------------------------

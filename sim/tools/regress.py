@@ -23,6 +23,7 @@ from typing import Any
 
 from sim.errors import InputError
 from sim.io.check import evaluate, iter_check_files, load_check_file, parse_check, summarize
+from sim.tools.run import worker_init
 
 __all__ = ["CaseResult", "run_library", "write_junit"]
 
@@ -79,7 +80,7 @@ def run_library(root: Path, jobs: int | None = None) -> list[CaseResult]:
     workers = min(jobs or os.cpu_count() or 1, len(paths))
     if workers <= 1:
         return [run_case(p) for p in paths]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=worker_init, initargs=(os.getpid(),)) as pool:
         return list(pool.map(run_case, paths, chunksize=max(1, len(paths) // (4 * workers))))
 
 
@@ -106,7 +107,11 @@ def library_table(results: list[CaseResult], root: Path) -> str:
 
 
 def write_junit(results: list[CaseResult], path: Path) -> None:
-    """Write a JUnit XML report (one testcase per file)."""
+    """Write a JUnit XML report (one testcase per file).
+
+    Raises:
+        InputError: it cannot be written (one ``--junit`` line).
+    """
     suite = ET.Element("testsuite", name="kvsim-regress", tests=str(len(results)),
                        failures=str(sum(1 for r in results if r.mismatches)),
                        errors=str(sum(1 for r in results if r.error)))
@@ -118,5 +123,11 @@ def write_junit(results: list[CaseResult], path: Path) -> None:
             text = "\n".join(f"[{k}] {d}" for k, ds in r.mismatches.items() for d in ds)
             ET.SubElement(case, "failure", message="expectation mismatch").text = text
     tmp = path.with_suffix(path.suffix + ".tmp")
-    ET.ElementTree(suite).write(tmp, encoding="utf-8", xml_declaration=True)
-    tmp.replace(path)
+    try:
+        ET.ElementTree(suite).write(tmp, encoding="utf-8", xml_declaration=True)
+        tmp.replace(path)
+    except OSError as exc:  # one --junit line, no temporary file left
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+        raise InputError("argument", "--junit", f"{path}: {exc.strerror or exc}",
+                         "a file path in a writable folder") from None

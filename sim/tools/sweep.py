@@ -76,10 +76,12 @@ Overwrite
     ``run_dir``, ``status``, ``error``, one column per swept key (named by
     its dotted key; values as given, tables as JSON text; a column whose
     values mix types holds their text), the resolved columns of
-    :data:`RESOLVED_COLUMNS`, then ``summary.json`` flattened with ``.``
-    (``ttft_s.p50``; deeper tables such as ``crashes.kinds`` and lists as
-    JSON text; null for failed points). No wall-clock values: the same sweep
-    gives a byte-identical file (wall time stays in each ``run_info.json``).
+    :data:`RESOLVED_COLUMNS`, then ``summary.json`` flattened by
+    :func:`sim.io.columns.flat_summary` (``ttft_s_p50``, ``requests_finished``;
+    a table of counts one integer column per name, a list a count and a text
+    column; typed; null for failed points; ``docs/columns.md``). No wall-clock
+    values: the same sweep gives a byte-identical file (wall time stays in each
+    ``run_info.json``).
     A swept key named like a resolved column (``window_logic``, ``seed``,
     ``model``, ``hardware``, ``workload``) has one column, the resolved one.
 
@@ -96,10 +98,10 @@ import copy
 import json
 import logging
 import multiprocessing
+import numbers
 import os
 import re
 import shutil
-import tomllib
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -111,14 +113,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.errors import InputError
+from sim.io.columns import SUMMARY_KEYS, flat_summary, summary_arrays
 from sim.io.results import (
     RunWriter,
+    arrow_schema,
     clean_leftovers,
+    concat_frames,
     load_results,
     make_folder,
     out_error,
+    read_parquet,
+    read_table,
+    read_toml,
     remove_created,
     temp_beside,
+    with_keys,
     write_text_atomic,
 )
 from sim.io.scenario import RunSpec, build_run
@@ -148,6 +157,7 @@ __all__ = [
     "read_sweep",
     "run_point",
     "run_sweep",
+    "upgrade_table",
 ]
 
 _TMP_RE = re.compile(r"^\..+\.(tmp|old)-\d+$")
@@ -208,22 +218,6 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
 # -- the table ------------------------------------------------------------------------------------
 
 
-def _flat(summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary.json`` flattened one level (``ttft_s.p50``); deeper tables and lists as JSON."""
-    out: dict[str, Any] = {}
-    for key, value in summary.items():
-        if key in ("status", "error", "run"):
-            continue
-        if isinstance(value, dict):
-            for k, v in value.items():
-                out[f"{key}.{k}"] = json.dumps(v, sort_keys=True) if isinstance(v, dict | list) else v
-        elif isinstance(value, list):
-            out[key] = json.dumps(value, sort_keys=True)
-        else:
-            out[key] = value
-    return out
-
-
 def _cell(value: Any) -> Any:
     return json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else value
 
@@ -239,7 +233,7 @@ def _column(values: list[Any]) -> Any:
 def build_table(sweep: Sweep, done: dict[int, dict[str, Any]]) -> Any:
     """The sweep table (a ``pyarrow.Table``) of the points in ``done`` (index -> summary), in point order."""
     rows = [(pt, done[pt.index]) for pt in sweep.points if pt.index in done]
-    flats = [_flat(s) if s.get("status") == "ok" else {} for _, s in rows]
+    flats = [flat_summary(s) if s.get("status") == "ok" else {} for _, s in rows]
     ok = [s.get("status") == "ok" for _, s in rows]
     cols: dict[str, Any] = {
         "point": pa.array([pt.index for pt, _ in rows], type=pa.int64()),
@@ -257,9 +251,8 @@ def build_table(sweep: Sweep, done: dict[int, dict[str, Any]]) -> Any:
              "h2d_bytes_per_s": pa.float64(), "d2h_bytes_per_s": pa.float64()}
     for key in RESOLVED_COLUMNS:
         cols[key] = pa.array([r[key] for r in resolved], type=types.get(key, pa.string()))
-    for key in sorted({k for f in flats for k in f}):
-        name = key if key not in cols else f"summary.{key}"
-        cols[name] = _column([f.get(key) for f in flats])
+    for key, column in summary_arrays(flats).items():
+        cols[key if key not in cols else f"summary_{key}"] = column
     return pa.table(cols)
 
 
@@ -626,7 +619,9 @@ class SweepResults:
 
     Attributes:
         path: the sweep folder.
-        table: ``sweep.parquet`` as a pandas DataFrame (one row per point).
+        table: ``sweep.parquet`` as a pandas DataFrame (one row per point; columns
+            in ``docs/columns.md``; an older folder's dotted summary columns are
+            read as today's, see :func:`upgrade_table`).
         spec: ``sweep.toml``, parsed.
     """
 
@@ -634,24 +629,100 @@ class SweepResults:
     table: Any
     spec: dict[str, Any]
 
+    @property
+    def swept(self) -> list[str]:
+        """The swept-key columns of :attr:`table` (named by their dotted keys)."""
+        cols = [str(c) for c in self.table.columns]
+        end = cols.index(RESOLVED_COLUMNS[0]) if RESOLVED_COLUMNS[0] in cols else len(HEAD_COLUMNS)
+        return cols[len(HEAD_COLUMNS):end]
+
     def run(self, which: str | int) -> RunResults:
-        """One point's run folder (:func:`sim.load_results`), by run id or point index.
+        """One point's run folder (:func:`sim.load_results`): by point index (any integer,
+        numpy's included), by run id, or by the index as text (``"3"``, ``"003"``).
 
         Raises:
             KeyError: no such point in the table.
         """
         t = self.table
-        rows = t[t["point"] == which] if isinstance(which, int) else t[t["run_id"] == which]
+        if isinstance(which, numbers.Integral) and not isinstance(which, bool):
+            rows = t[t["point"] == int(which)]
+        elif isinstance(which, str):
+            rows = t[t["run_id"] == which]
+            if not len(rows) and which.isdigit():
+                rows = t[t["point"] == int(which)]
+        else:
+            raise KeyError(f"{which!r} is not a point index or run id")
         if len(rows) != 1:
             raise KeyError(f"no point {which!r} in {self.path / 'sweep.parquet'}")
         return load_results(self.path / str(rows["run_dir"].iloc[0]))
+
+    def requests(self, include_failed: bool = False) -> Any:
+        """Every request of the sweep's points as one long pandas DataFrame.
+
+        Columns: ``point``, ``run_id``, ``run_dir``, ``run_status``, the swept
+        keys, the resolved configuration (as in :attr:`table`), then the
+        ``requests`` columns (``docs/columns.md``). Rows: the points in order,
+        each in its table's order.
+
+        Args:
+            include_failed: also the partial tables of failed points (default:
+                ok points only).
+        """
+        t = self.table
+        names = ["point", "run_id", "run_dir", "status", *self.swept,
+                 *(c for c in RESOLVED_COLUMNS if c in t.columns)]
+        keys = pa.Table.from_pandas(t[names], preserve_index=False).replace_schema_metadata(None)
+        keys = keys.rename_columns(["run_status" if n == "status" else n for n in names])
+        tables = []
+        for i in range(len(t)):
+            if include_failed or str(t["status"].iloc[i]) == "ok":
+                folder = self.path / str(t["run_dir"].iloc[i])
+                tables.append(with_keys(keys.slice(i, 1), read_table(folder, "requests")))
+        return concat_frames(tables, pa.schema([*keys.schema, *arrow_schema("requests")]))
+
+
+def upgrade_table(table: Any) -> Any:
+    """A ``sweep.parquet`` (a ``pyarrow.Table``) written before the summary columns
+    were renamed (dotted names, tables and lists as JSON text) with today's
+    summary columns (:func:`sim.io.columns.flat_summary`); a current one as it is."""
+    cols = list(table.column_names)
+    if "seed" not in cols:
+        return table
+    start = cols.index("seed") + 1
+    old = cols[start:]
+    if not any("." in c for c in old):
+        return table
+    values = {c: table.column(c).to_pylist() for c in old}
+    status = table.column("status").to_pylist()
+    flats: list[dict[str, Any]] = []
+    for i, st in enumerate(status):
+        nested: dict[str, Any] = {}
+        for c in old:
+            v = values[c][i]
+            if v is None or st != "ok":
+                continue
+            key = c.removeprefix("summary.")
+            doc = SUMMARY_KEYS.get(key)
+            if isinstance(v, str) and (doc.type in ("counts", "list") if doc else v[:1] in "{["):
+                with contextlib.suppress(ValueError):
+                    v = json.loads(v)
+            section, _, leaf = key.partition(".")
+            if leaf:
+                nested.setdefault(section, {})[leaf] = v
+            else:
+                nested[key] = v
+        flats.append(flat_summary(nested) if st == "ok" else {})
+    out = table.select(cols[:start])
+    for name, column in summary_arrays(flats).items():
+        out = out.append_column(name if name not in cols[:start] else f"summary_{name}", column)
+    return out
 
 
 def load_sweep(path: str | Path) -> SweepResults:
     """Read a sweep folder written by ``kvsim sweep`` (or its ``sweep.parquet``).
 
     Raises:
-        InputError: no ``sweep.parquet`` there.
+        InputError: no ``sweep.parquet`` there, or it (or ``sweep.toml``) cannot be read.
     """
 
     folder = Path(path)
@@ -662,8 +733,8 @@ def load_sweep(path: str | Path) -> SweepResults:
         raise InputError(str(folder), "", "not a sweep folder (no sweep.parquet)",
                          "a folder written by kvsim sweep")
     spec_file = folder / "sweep.toml"
-    spec = tomllib.loads(spec_file.read_text(encoding="utf-8")) if spec_file.is_file() else {}
-    return SweepResults(path=folder, table=pq.read_table(table_file).to_pandas(), spec=spec)
+    spec = read_toml(spec_file) if spec_file.is_file() else {}
+    return SweepResults(path=folder, table=upgrade_table(read_parquet(table_file)).to_pandas(), spec=spec)
 
 
 def sweep_table(sweep: Sweep, report: SweepReport) -> str:

@@ -21,6 +21,7 @@ import pytest
 
 from sim.cli import main
 from sim.errors import InputError
+from sim.io.columns import flat_summary
 from sim.io.results import load_results
 from sim.tools import plots
 from tests.helpers import ROOT
@@ -41,16 +42,6 @@ def _run(folder: Path, *extra: str) -> Path:
     return folder
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        elif not isinstance(v, list):
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _sweep_row(i: int, run_dir: str, sc: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     cc = sc["cpu_cache"]
     row = {"point": i, "run_id": run_dir.split("/")[-1], "run_dir": run_dir, "status": "ok", "error": "",
@@ -62,7 +53,7 @@ def _sweep_row(i: int, run_dir: str, sc: dict[str, Any], summary: dict[str, Any]
            "h2d_bytes_per_s": sc["hardware"]["h2d_bandwidth"],
            "d2h_bytes_per_s": sc["hardware"]["d2h_bandwidth"],
            "seed": sc["seed"]}
-    row.update({k: v for k, v in _flatten(summary).items() if k != "status"})
+    row.update(flat_summary(summary))
     return row
 
 
@@ -82,7 +73,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         rows.append(_sweep_row(i, rel, sc, json.loads((sweep / rel / "summary.json").read_text())))
     failed = dict(rows[0], point=len(rows), run_id="004-1gib-lru", run_dir="points/004-1gib-lru",
                   status="failed", error="InvariantViolation('boom')", cpu_cache_bytes=1 << 30)
-    for k in ("cpu_hit_rate", "recompute_saved", "ttft_s.p50", "requests.finished"):
+    for k in ("cpu_hit_rate", "recompute_saved", "ttft_s_p50", "requests_finished"):
         failed[k] = np.nan
     rows.append(failed)
     pd.DataFrame(rows).to_parquet(sweep / "sweep.parquet")

@@ -1,0 +1,102 @@
+"""``kvsim export``: CSV copies of a results folder's tables, beside the Parquet files.
+
+What it writes
+    * a run folder: ``<table>.csv`` beside each ``<table>.parquet``, and
+      ``summary.csv`` (one row: :func:`sim.summaries` of the folder, the columns
+      of ``sweep.parquet``);
+    * a compare folder: ``diverged.csv``, and both run folders (``old/``, ``new/``) as above;
+    * a sweep folder: ``sweep.csv`` (the table as :func:`sim.load_sweep` reads it,
+      an older folder's columns renamed); with ``points``, every point's folder as above.
+
+Each file is written to a hidden temporary name beside it
+(``.<name>.tmp-<pid>``) and renamed onto it, so a CSV that exists is complete;
+an earlier export is replaced, nothing else is touched. Columns and units:
+``docs/columns.md``. The CSV is pandas' (``index=False``): nulls are empty
+cells, floats in full precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sim.engine.metrics import TABLES
+from sim.errors import InputError
+from sim.io.results import read_parquet, summaries, temp_beside
+from sim.tools.plots import folder_kind
+from sim.tools.sweep import load_sweep
+
+__all__ = ["FORMATS", "export_folder"]
+
+#: the formats ``kvsim export`` writes
+FORMATS = ("csv",)
+
+
+def _write_csv(frame: Any, path: Path) -> Path:
+    tmp = temp_beside(path)
+    try:
+        frame.to_csv(tmp, index=False)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise InputError(str(path), "", f"cannot be written: {exc.strerror or exc}",
+                         "a writable results folder (with free space)") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _parquet(path: Path) -> Callable[[], Any]:
+    return lambda: read_parquet(path).to_pandas()
+
+
+def _run(folder: Path) -> list[tuple[Path, Callable[[], Any]]]:
+    out: list[tuple[Path, Callable[[], Any]]] = []
+    for table in TABLES:
+        f = folder / f"{table}.parquet"
+        if f.is_file():
+            out.append((folder / f"{table}.csv", _parquet(f)))
+    out.append((folder / "summary.csv", lambda: summaries([folder])))
+    return out
+
+
+def export_folder(folder: str | Path, fmt: str = "csv", points: bool = False) -> list[Path]:
+    """Write CSV copies of the tables of a run, compare or sweep folder (see the module).
+
+    Args:
+        folder: the results folder.
+        fmt: ``"csv"`` (the only format so far).
+        points: a sweep: also every point's run folder.
+
+    Returns:
+        the files written, in order.
+
+    Raises:
+        InputError: not a results folder, an unknown format, or a file that
+            cannot be written.
+    """
+    if fmt not in FORMATS:
+        raise InputError("argument", "--format", f"{fmt!r}", ", ".join(FORMATS))
+    root = Path(folder)
+    if not root.is_dir():
+        raise InputError(str(root), "", "not a directory", "a folder written by kvsim run, compare or sweep")
+    kind = folder_kind(root)
+    jobs: list[tuple[Path, Callable[[], Any]]] = []
+    if kind == "run":
+        jobs = _run(root)
+    elif kind == "compare":
+        if (root / "diverged.parquet").is_file():
+            jobs.append((root / "diverged.csv", _parquet(root / "diverged.parquet")))
+        for logic in ("old", "new"):
+            if (root / logic / "summary.json").is_file():
+                jobs += _run(root / logic)
+    else:
+        sweep = load_sweep(root)
+        jobs.append((root / "sweep.csv", lambda: sweep.table))
+        if points:
+            for run_dir in sweep.table["run_dir"]:
+                if (root / str(run_dir) / "summary.json").is_file():
+                    jobs += _run(root / str(run_dir))
+    return [_write_csv(make(), path) for path, make in jobs]
