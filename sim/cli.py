@@ -11,12 +11,16 @@ line ``kvsim: interrupted (SIGINT); ...`` saying what was kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -24,7 +28,16 @@ from tqdm import tqdm
 
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
-from sim.io.results import RunWriter, summary_table, summary_warnings, write_text_atomic
+from sim.io.results import (
+    RunWriter,
+    find_unreadable,
+    make_folder,
+    remove_created,
+    summary_table,
+    summary_warnings,
+    temp_beside,
+    write_text_atomic,
+)
 from sim.io.scenario import TORCH_ALLOWED, kvsim_version, load_run, parse_size, torch_missing
 from sim.io.traces import (
     FORMATS,
@@ -40,6 +53,8 @@ from sim.io.traces import (
 from sim.io.validate import validate_file
 from sim.io.workload import request_total
 from sim.tools.compare import compare_runs, compare_table
+from sim.tools.export import FORMATS as EXPORT_FORMATS
+from sim.tools.export import export_folder
 from sim.tools.fuzz import COVERAGE, fuzz_decisions, fuzz_runs
 from sim.tools.plots import write_plots
 from sim.tools.regress import library_table, run_library, write_junit
@@ -132,16 +147,53 @@ def _cmd_regress(args: argparse.Namespace) -> int:
         raise InputError(str(root), "", "not a directory", "a folder of check/1 TOML files")
     if args.jobs < 1:
         raise InputError("argument", "--jobs", f"{args.jobs}", "an integer >= 1")
-    results = run_library(root, jobs=args.jobs)
-    if not results:
-        raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
-    print(library_table(results, root))
-    for r in results:
-        if r.error is not None and r.bad_input:
-            print(f"kvsim: error: {r.error}", file=sys.stderr)
-    if args.junit:
-        write_junit(results, Path(args.junit))
+    junit = Path(args.junit) if args.junit else None
+    created: list[Path] = []
+    if junit is not None:  # checked before the library runs: no work for a report that cannot be written
+        if junit.is_dir():
+            raise InputError("argument", "--junit", f"{junit}: is a folder",
+                             "a file path in a writable folder")
+        created = _writable_folder(junit.parent, "--junit", junit)
+    try:
+        results = run_library(root, jobs=args.jobs)
+        if not results:
+            raise InputError(str(root), "", "no *.toml case found", "a folder of check/1 TOML files")
+        print(library_table(results, root))
+        for r in results:
+            if r.error is not None and r.bad_input:
+                print(f"kvsim: error: {r.error}", file=sys.stderr)
+        if junit is not None:
+            write_junit(results, junit)
+    finally:
+        remove_created(created)  # the folders made for a report that was not written
     return 0 if all(r.ok for r in results) else 1
+
+
+def _writable_folder(folder: Path, option: str, shown: Path) -> list[Path]:
+    """Create ``folder`` (and its missing parents) and check that a file can be written
+    there, before any work; return the folders created (for :func:`remove_created`).
+
+    Raises:
+        InputError: one ``option`` line (a file in the way, read-only, no permission);
+            nothing is left created then.
+    """
+    if folder.exists() and not folder.is_dir():
+        what = "exists and is not a folder" if folder == shown else f"{folder} is not a folder"
+        raise InputError("argument", option, f"{shown}: {what}", "a writable folder")
+    try:
+        created = make_folder(folder, shown)
+        probe = temp_beside(folder / "kvsim-write-check")
+        try:
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            remove_created(created)
+            where = "there" if folder == shown else f"in {folder}"
+            raise InputError("argument", option, f"{shown}: cannot create a file {where} "
+                             f"({exc.strerror or exc})", "a writable folder (with free space)") from None
+    except InputError as exc:  # make_folder's error names --out
+        raise InputError(exc.source, option, exc.problem, exc.allowed) from None
+    return created
 
 
 class _Override(argparse.Action):
@@ -164,13 +216,15 @@ def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key
                          seed: bool = True, logic: bool = False) -> None:
     """``--set KEY=VALUE`` (repeatable) and its shorthands, all into ``args.overrides``."""
     p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
-                   help=f"override {what} (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable")
+                   help=f"override {what} (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable; "
+                   "KEY=null (bare) removes KEY (its default applies); setting workload.kind drops the "
+                   "keys the new kind lacks, e.g. --set workload.kind=mooncake --set workload.trace=NAME")
     if seed:
         p.add_argument("--seed", dest="overrides", action=_Override, key="seed", metavar="N",
                        help="shorthand for --set seed=N")
     if logic:
         p.add_argument("--logic", dest="overrides", action=_Override, key="window_logic",
-                       metavar="old|new", help="shorthand for --set window_logic=...")
+                       metavar="old|new|latest", help="shorthand for --set window_logic=...")
     p.set_defaults(overrides=[])
 
 
@@ -422,20 +476,23 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if args.runs is not None:
         return _cmd_runs(args, command)
     pair = tuple(x.strip() for x in args.logic_pair.split(","))
-    if len(pair) != 2 or any(x not in ("old", "new") for x in pair):
-        raise InputError("argument", "--logic-pair", f"{args.logic_pair!r}", "two of old,new, e.g. old,new")
+    if len(pair) != 2 or any(x not in ("old", "new", "latest") for x in pair):
+        raise InputError("argument", "--logic-pair", f"{args.logic_pair!r}",
+                         "two of old,new,latest, e.g. old,new or new,latest")
     if args.budget < 1:
         raise InputError("argument", "--budget", f"{args.budget}", "an integer >= 1")
     out = Path(args.out or "scenarios/crash/fuzz")
+    created = _writable_folder(out, "--out", out)  # before the search: no work for nothing
     bar = _bar(args.budget, "scn", args.quiet)
     try:
-        logics = cast("tuple[Literal['old', 'new'], ...]", pair)
+        logics = cast("tuple[Literal['old', 'new', 'latest'], ...]", pair)
         rep = fuzz_decisions(args.budget, args.seed, logics=logics, out=out,
                              jobs=args.jobs, verify_every=args.verify_every,
                              progress=bar.update if bar is not None else None, command=command)
     finally:
         if bar is not None:
             bar.close()
+        remove_created(created)  # as before: no finding, no folder
     print(rep.table())
     print()
     written = sum(c.status == "written" for c in rep.conditions)
@@ -465,6 +522,7 @@ def _cmd_runs(args: argparse.Namespace, command: str) -> int:
             raise InputError("fuzz", "--copy-path", "torch is not installed", "pip install 'kvsim[torch]'") \
                 from None
     out = Path(args.out or "results/fuzz-runs")
+    created = _writable_folder(out, "--out", out)  # before the runs: no work for nothing
     bar = _bar(args.runs, "run", args.quiet)
     try:
         rep = fuzz_runs(args.runs, args.seed, copy_path=args.copy_path, out=out, jobs=args.jobs,
@@ -472,6 +530,7 @@ def _cmd_runs(args: argparse.Namespace, command: str) -> int:
     finally:
         if bar is not None:
             bar.close()
+        remove_created(created)  # as before: no finding, no folder
     for f in rep.findings:
         print(f"{f.kind:10s} {f.logic.upper():4s} x{f.count:<4d} run {f.index}: {f.detail[:160]}  "
               f"-> {f.path} ({f.status})")
@@ -502,7 +561,37 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise InputError(str(folder), "", "not a directory",
                          "a folder written by kvsim run, kvsim compare or kvsim sweep")
-    for path in write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr)):
+    try:
+        paths = write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr))
+    except InputError:
+        raise
+    except Exception:  # a file that cannot be read (truncated, corrupt): name it, or it is a kvsim bug
+        bad = find_unreadable(folder)
+        if bad is None:
+            raise
+        raise bad from None
+    for path in paths:
+        print(path)
+    return 0
+
+
+# -- kvsim export --------------------------------------------------------------
+
+
+def add_export_parser(sub: Any) -> None:
+    """``kvsim export FOLDER [--format csv] [--points]``."""
+    p = sub.add_parser("export", help="write CSV copies of a run, compare or sweep folder's tables")
+    p.add_argument("folder", metavar="FOLDER",
+                   help="a folder written by kvsim run, kvsim compare or kvsim sweep")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="csv",
+                   help="the format written (default: csv)")
+    p.add_argument("--points", action="store_true", help="a sweep: also every point's run folder")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write ``<table>.csv`` beside each Parquet file (docs/columns.md); print the paths, one per line."""
+    for path in export_folder(Path(args.folder), args.format, points=args.points):
         print(path)
     return 0
 
@@ -599,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="check/1 scenario: TOML, JSON object, JSON list (batch) or JSON Lines")
     p.add_argument("--json", action="store_true", help="print outcomes as JSON")
     p.add_argument("--jsonl", action="store_true", help="read and write JSON Lines (batch)")
-    p.add_argument("--logic", choices=["old", "new", "both"], help="override window_logic")
+    p.add_argument("--logic", choices=["old", "new", "latest", "both"], help="override window_logic")
     p.add_argument("--copy-path", action="store_true",
                    help="replay as a run with real tensor copies (needs torch): NEW, OLD, OLD with "
                         "assertions stripped; report crashes and integrity violations")
@@ -655,18 +744,65 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_parser(sub)  # kvsim sweep FILE [--jobs N] [--backend local|ray]
 
     add_plot_parser(sub)  # kvsim plot RESULTS_DIR [--out DIR]
+
+    add_export_parser(sub)  # kvsim export FOLDER [--format csv] [--points]
     return parser
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[None]:
+    """:func:`interruptible` around a whole command (run, compare and sweep set their own
+    inside): SIGINT and SIGTERM raise :class:`Interrupted` in this process only.
+
+    The workers of a pool (regress's, fuzz's) are ended first: their work is
+    abandoned, and the pool does not wait for the units still queued (a
+    thread of the pool that fails as it is torn down prints nothing). A
+    process forked from this one inherits the handlers: there SIGINT is left
+    to this process, and SIGTERM ends the worker as it would by default.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+    hook = threading.excepthook
+
+    def quiet(args: Any) -> None:
+        return None
+
+    with interruptible():
+        raising = {int(sig): cast("Callable[[int, Any], None]", signal.getsignal(sig))
+                   for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum: int, frame: Any) -> None:
+            if os.getpid() == pid:
+                threading.excepthook = quiet
+                with contextlib.suppress(Exception):
+                    for child in multiprocessing.active_children():
+                        if child.pid:
+                            os.kill(child.pid, signal.SIGTERM)
+                raising[signum](signum, frame)
+            elif signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        for sig in raising:
+            signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            threading.excepthook = hook
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvsim`` console script."""
     args = build_parser().parse_args(argv)
     try:
-        code: int = args.func(args)
+        with _interrupts():
+            code: int = args.func(args)
     except InputError as exc:
         print(f"kvsim: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C anywhere else: one line, no traceback
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM anywhere else: one line, no traceback
         print(f"kvsim: interrupted ({signal_name(signal_of(exc))})", file=sys.stderr)
         return 128 + signal_of(exc)
     except BrokenPipeError:

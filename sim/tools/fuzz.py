@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -73,10 +74,12 @@ from sim.engine.loop import InvariantViolation, simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
 from sim.io.check import CheckCase, Logic, case_toml, parse_check, reference_check, run_check, summarize
+from sim.io.results import out_error
 from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError
 from sim.model.decision import DecisionLayout, decide, decision_layout
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
+from sim.tools.run import worker_init
 
 if TYPE_CHECKING:
     from sim.engine.loop import SimulationResult
@@ -785,7 +788,10 @@ class FuzzReport:
 
 
 def _executor(jobs: int) -> Executor | None:
-    return ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+    """A pool whose workers die with this process (none for one job)."""
+    if jobs <= 1:
+        return None
+    return ProcessPoolExecutor(max_workers=jobs, initializer=worker_init, initargs=(os.getpid(),))
 
 
 def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old", "new"),
@@ -877,13 +883,24 @@ def library_entry(cr: ConditionResult, seed: int, logics: Sequence[Logic], origi
 
 
 def _write_text(path: Path, text: str) -> str:
-    """Write unless a file is there: ``written``, ``unchanged`` or ``kept existing``."""
-    if path.exists():
-        return "unchanged" if path.read_text(encoding="utf-8") == text else "kept existing"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write unless a file is there: ``written``, ``unchanged`` or ``kept existing``.
+
+    Raises:
+        InputError: it cannot be written (one ``--out`` line; no temporary file is left).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    try:
+        if path.exists():
+            return "unchanged" if path.read_text(encoding="utf-8") == text else "kept existing"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except UnicodeDecodeError:
+        return "kept existing"
+    except OSError as exc:
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+        raise out_error(path, exc) from None
     return "written"
 
 
