@@ -2,7 +2,9 @@
 
 A check scenario states a layout, a prompt length, an optional local GPU
 prefix hit and the CPU chunk states of the groups, and asks what the modelled
-vLLM scheduler does for one new request, under the OLD and/or NEW logic:
+vLLM scheduler does for one new request, under the OLD, NEW and/or LATEST
+logic (``window_logic = "both"`` decides OLD and NEW; a file that also states
+``[expect.latest]`` has that checked as well, see :func:`evaluate`):
 how many tokens it will load (or that it defers), which chunks it passes to
 ``prepare_load``, which GPU blocks the load fills, and whether an assertion
 fires (a *modelled crash*, reported as an outcome).
@@ -79,7 +81,7 @@ __all__ = [
 ]
 
 ChunkStateName = Literal["present", "pending", "loading", "retry"]
-Logic = Literal["old", "new"]
+Logic = Literal["old", "new", "latest"]
 
 
 #: CheckScenario.layout's cache: (groups, tokens per hash, blocks per chunk) -> Layout
@@ -111,7 +113,7 @@ class CheckScenario(Strict):
 
     schema_: Literal["check/1"] = Field(alias="schema", description="format and version")
     name: str | None = Field(None, description="optional label")
-    window_logic: Literal["old", "new", "both"] = "both"
+    window_logic: Literal["old", "new", "latest", "both"] = "both"
     groups: list[CheckGroup] = Field(min_length=1)
     blocks_per_chunk: Annotated[int, at_most(MAX_GPU_BLOCKS, "GPU blocks", WHY_GPU_BLOCKS)] = Field(1, gt=0)
     tokens_per_hash: Tokens = Field(gt=0)
@@ -556,14 +558,22 @@ def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
 
 
 def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
-    """Run every logic the scenario asks for; return outcomes and mismatches."""
+    """Run every logic the scenario asks for; return outcomes and mismatches.
+
+    With ``window_logic = "both"`` an expectation of another logic (e.g.
+    ``[expect.latest]``) is checked too; its outcome is not returned."""
     outcomes = scenario_outcomes(sc, source)
     mismatches: dict[str, list[str]] = {}
     if sc.expect:
-        for logic in sc.logics():
+        extra: tuple[Logic, ...] = ()
+        if sc.window_logic == "both":
+            extra = tuple(lg for lg in sc.expect if lg not in outcomes)
+        for logic in (*sc.logics(), *extra):
             exp = sc.expect.get(logic)
             if exp is not None:
-                diffs = compare(exp, outcomes[logic])
+                out = outcomes[logic] if logic in outcomes else \
+                    scenario_outcomes(sc.model_copy(update={"window_logic": logic}), source)[logic]
+                diffs = compare(exp, out)
                 if diffs:
                     mismatches[logic] = diffs
     return outcomes, mismatches
@@ -735,9 +745,10 @@ def write_reproducers(folder: Path, snapshots: Sequence[ReproducerSnapshot]) -> 
     """Write each modelled crash or hazard of a run as a check/1 file.
 
     The expectations are what the model gives for the case in isolation
-    (:func:`run_check` under both logics); ``reproduced`` says whether the
-    run's own logic gives the outcome the run recorded. (A hazard seen with
-    assertions stripped is a crash in a check, which keeps assertions.)
+    (:func:`run_check` under OLD and NEW, and LATEST for a LATEST run);
+    ``reproduced`` says whether the run's own logic gives the outcome the run
+    recorded. (A hazard seen with assertions stripped is a crash in a check,
+    which keeps assertions.)
 
     Returns:
         ``files`` (names written, in order), ``reproduced`` (how many) and ``count``.
@@ -747,7 +758,8 @@ def write_reproducers(folder: Path, snapshots: Sequence[ReproducerSnapshot]) -> 
     for n, snap in enumerate(snapshots):
         case = CheckCase.from_snapshot(snap)
         expect: dict[str, dict[str, Any]] = {}
-        for logic in ("old", "new"):
+        logics: tuple[Logic, ...] = ("old", "new", "latest") if snap.logic == "latest" else ("old", "new")
+        for logic in logics:
             out = run_check(case, logic)
             e: dict[str, Any] = {"crash": out["crash"]["kind"] if out["crash"] else "none",
                                  "hazards": sorted({h["kind"] for h in out["hazards"]})}

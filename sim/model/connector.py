@@ -280,10 +280,10 @@ class OffloadingScheduler:
         self._groups: tuple[GroupSpec, ...] = layout.groups
         self._tpc = layout.tokens_per_chunk
         self._hpc = layout.hashes_per_chunk
-        self._w = layout.window_chunks
+        self._w = profile.window_chunks(layout)
         self._bs = tuple(g.tokens_per_block for g in layout.groups)
-        self._order = layout.lookup_order
-        self._window_groups = layout.window_groups
+        self._order = profile.lookup_order(layout)
+        self._window_groups = profile.window_groups(layout)
         self._mamba_align = layout.mamba_align
 
     # -- requests ----------------------------------------------------------------
@@ -340,6 +340,8 @@ class OffloadingScheduler:
         st.store_quiet = False
         for ids in st.block_ids:
             ids.clear()
+        if self.profile.restarts_store_index_on_lookup:
+            st.next_stored = [0] * len(st.next_stored)
         if st.jobs:
             return MatchResult(None, False, "in_flight_jobs")
         self._refresh_keys(st)
@@ -812,7 +814,8 @@ class OffloadingScheduler:
         mask = None
         if self._w[g] is not None:
             horizon = self._store_horizon(st, g, n, prompt_chunks)
-            mask = self.profile.reachable_chunks(self.layout, g, self.eagle[g], start, n, n, horizon)
+            mask = self.profile.reachable_chunks(self.layout, g, self.eagle[g], start, n, n, horizon,
+                                                 st.block_ids[g])
         return [key for k, (key, bid) in enumerate(zip(keys, last_ids, strict=True))
                 if bid != NULL_BLOCK_ID and (mask is None or mask[k])]
 

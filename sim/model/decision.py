@@ -3,7 +3,7 @@
 What it computes
     For one new request on a stated CPU chunk-state table and a local GPU
     prefix hit, what the modelled vLLM scheduler decides under each window
-    logic (OLD/NEW), as the outcome dicts of :func:`sim.io.check.run_check`:
+    logic (OLD/NEW/LATEST), as the outcome dicts of :func:`sim.io.check.run_check`:
     the external hit (None when deferred), the chunks passed to
     ``prepare_load``, the per-group block counts and first block indices of
     the load, a modelled crash and the hazards. Clock-free and stateless:
@@ -26,10 +26,11 @@ How
       ``skipped(N) // bs`` null blocks, the local-hit blocks the window still
       retains, then fresh blocks up to ``cdiv(N, bs)``; so the first block to
       load is ``min(nb, max(search start, skipped, L // bs))``;
-    * every rule in which OLD and NEW differ is still asked of the
-      :mod:`sim.model.windows` profile (window scan, first-run window, EAGLE
-      widening, being-loaded window, load search start, local-boundary
-      assertion); the kernel never branches on the version.
+    * every rule in which the versions differ is still asked of the
+      :mod:`sim.model.windows` profile (window chunks and lookup order,
+      window scan, first-run window, EAGLE widening, being-loaded window,
+      load search start, local-boundary assertion); the kernel never
+      branches on the version.
 
     The reference is the real-object path (:func:`sim.io.check.build_world`:
     the CPU chunk cache, the per-block GPU cache and the scheduler, built per
@@ -47,9 +48,10 @@ from typing import Any
 
 from sim.model.cpu_cache import LookupResult
 from sim.model.layout import GroupSpec, Layout
-from sim.model.windows import WindowProfile, profile
+from sim.model.windows import WindowLogic, WindowProfile, profile
 
 __all__ = [
+    "ALL",
     "BOTH",
     "MISSING",
     "DecisionLayout",
@@ -70,6 +72,8 @@ MISSING = _MISS
 state_code: dict[str, LookupResult] = {"present": _HIT, "loading": _HIT, "pending": _PENDING, "retry": _RETRY}
 
 BOTH: tuple[str, ...] = ("old", "new")
+#: every logic the kernel can decide under
+ALL: tuple[str, ...] = tuple(lg.value for lg in WindowLogic)
 
 _NOT_FOUND = "not found in CPU cache"
 _NOT_READY = "not ready to be read: its store is still pending"
@@ -83,7 +87,7 @@ class DecisionLayout:
     """
 
     __slots__ = ("blocks_per_chunk", "bs", "eagle", "groups", "hpc", "layout", "limit_align",
-                 "ng", "order", "plan_groups", "profiles", "tpc", "w", "window_groups")
+                 "ng", "order", "profiles", "tpc", "w", "window_groups")
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -102,22 +106,24 @@ class DecisionLayout:
         self.eagle: tuple[bool, ...] = tuple(g.eagle for g in layout.groups)
         #: per logic: the profile, and the lookup order and the window groups as
         #: :data:`_LookupGroup` tuples (the EAGLE widening is the profile's)
-        self.profiles: dict[str, tuple[WindowProfile, _Groups, _Groups]] = {}
-        for logic in BOTH:
+        #: and per group (group, tokens_per_block, tokens_per_chunk, window chunks, spec)
+        #: for the load plan; the window chunks are the profile's
+        self.profiles: dict[str, tuple[WindowProfile, _Groups, _Groups, _PlanGroups]] = {}
+        for logic in ALL:
             prof = profile(logic)
-            info = [(g, self.tpc[g], self.w[g], self.eagle[g], prof.eagle_widens(spec), spec)
+            w = prof.window_chunks(layout)
+            info = [(g, self.tpc[g], w[g], self.eagle[g], prof.eagle_widens(spec), spec)
                     for g, spec in enumerate(self.groups)]
-            self.profiles[logic] = (prof, tuple(info[g] for g in self.order),
-                                    tuple(info[g] for g in self.window_groups))
-        #: per group: (group, tokens_per_block, tokens_per_chunk, window chunks, spec)
-        self.plan_groups: tuple[tuple[int, int, int, int | None, GroupSpec], ...] = tuple(
-            (g, self.bs[g], self.tpc[g], self.w[g], spec) for g, spec in enumerate(self.groups))
+            plan = tuple((g, self.bs[g], self.tpc[g], w[g], spec) for g, spec in enumerate(self.groups))
+            self.profiles[logic] = (prof, tuple(info[g] for g in prof.lookup_order(layout)),
+                                    tuple(info[g] for g in prof.window_groups(layout)), plan)
 
 
 #: a group as the lookup reads it: (index, tokens per chunk, window chunks or None,
 #: EAGLE, EAGLE widening under the logic, spec)
 _LookupGroup = tuple[int, int, "int | None", bool, bool, GroupSpec]
 _Groups = tuple[_LookupGroup, ...]
+_PlanGroups = tuple[tuple[int, int, int, "int | None", GroupSpec], ...]
 
 
 _CACHE: dict[tuple[Any, ...], DecisionLayout] = {}
@@ -165,10 +171,10 @@ def decide_codes(dl: DecisionLayout, codes: list[list[LookupResult]], loading: s
     out: dict[str, dict[str, Any]] = {}
     profiles = dl.profiles
     for logic in logics:
-        prof, order, window_groups = profiles[logic]
+        prof, order, window_groups, plan_groups = profiles[logic]
         ext = _lookup(dl, prof, order, window_groups, codes, num_tokens, gpu_computed_tokens, being)
         if ext:
-            out[logic] = _plan(dl, prof, codes, gpu_computed_tokens, ext, being)
+            out[logic] = _plan(dl, prof, plan_groups, codes, gpu_computed_tokens, ext, being)
         else:
             out[logic] = {"external_tokens": ext, "load_async": False, "load_keys": [], "group_sizes": [],
                           "block_indices": [], "crash": None, "hazards": []}
@@ -305,8 +311,8 @@ class _AssertionHit(Exception):  # noqa: N818 -- a vLLM assertion, not an error 
         self.crash = {"kind": "assertion", "group": group, "chunk": chunk, "message": message}
 
 
-def _plan(dl: DecisionLayout, prof: WindowProfile, codes: list[list[LookupResult]], c: int, ext: int,
-          being: set[tuple[int, int]] | None) -> dict[str, Any]:
+def _plan(dl: DecisionLayout, prof: WindowProfile, plan_groups: _PlanGroups, codes: list[list[LookupResult]],
+          c: int, ext: int, being: set[tuple[int, int]] | None) -> dict[str, Any]:
     """The outcome of a positive hit ``ext``: the allocation and load plan
     (``update_state_after_alloc`` on the closed-form allocation), a vLLM
     assertion, or ``prepare_load``'s (the attempted load kept)."""
@@ -317,7 +323,7 @@ def _plan(dl: DecisionLayout, prof: WindowProfile, codes: list[list[LookupResult
     firsts: list[int] = []
     failed: tuple[int, int] | None = None
     try:
-        for grp in dl.plan_groups:
+        for grp in plan_groups:
             g = grp[0]
             cg = codes[g]
             first, nc = _draft_group(prof, grp, bpc, len(cg), c, n_cached)

@@ -148,7 +148,7 @@ class SchedulerConfig:
     offload_prompt_only: bool = True
     cpu_capacity_chunks: int = 0
     eviction: EvictionPolicy = EvictionPolicy.LRU
-    window_logic: Literal["old", "new"] = "new"
+    window_logic: Literal["old", "new", "latest"] = "new"
     on_crash: Literal["record", "stop"] = "record"
     step_cost: StepCostModel = ZERO_STEP
     fast_forward: bool = True

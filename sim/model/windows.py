@@ -1,8 +1,9 @@
-"""OLD (vLLM 0.29.0) and NEW (vLLM 0.30.0) behaviour profiles, side by side.
+"""OLD (vLLM 0.29.0), NEW (vLLM 0.30.0) and LATEST (vLLM 0.33.0) behaviour profiles.
 
-Every rule in which the two versions of the OffloadingConnector scheduler
-differ lives here, as a method of a small profile object that the connector
-consults. No other module branches on the window logic.
+Every rule in which the versions of the OffloadingConnector scheduler differ
+lives here, as a method or flag of a small profile object that the connector
+(and the decision kernel) consults. No other module branches on the window
+logic.
 
 The headline difference (spec §4.6, §6): the lookup verifies a window of
 ``w_g = cdiv(W, tpc)`` chunks whose right edge is rounded UP to the group's
@@ -11,29 +12,43 @@ boundary N, which for an unaligned N reaches one chunk further left. OLD then
 loads a chunk it never looked up; NEW demands ``loadwin_g(N)`` chunks for the
 first (rightmost) run of the window search, tracks store-pending chunks only
 inside the run it returns, and uses ``loadwin_g(N)`` for the
-"chunks being loaded" check as well.
+"chunks being loaded" check as well. LATEST adds a sliding-window group's
+``extra_retained_tokens`` e (multi-module MTP) to every window it sizes, which
+NEW ignores (spec §10 E4: OLD and NEW crash there); see docs/latest.md.
 
-The other differences modelled:
+The differences modelled (W: the window in tokens, e: its
+``extra_retained_tokens``; ``loadwin(N) = max(w_g, cdiv(W - 1 + pad, tpc))``
+with ``pad = -N mod tpc``, and ``loadwin_e`` the same with ``W - 1 + e``):
 
-================================  ===========================  ===========================
-rule                              OLD (0.29.0)                 NEW (0.30.0)
-================================  ===========================  ===========================
-window search, first run          ``need`` chunks              ``loadwin(cand) (+1 eagle)``
-HIT_PENDING in the window scan    defers, wherever it is       defers only inside the run
-EAGLE query widening (peek)       window-type groups only      every EAGLE group
-being-loaded check window         ``w_g``                      ``loadwin(C + hit)``
-load start search after alloc     from block 0, C <= first*bs  from ``cdiv(C, bs)``
-store length at finish            ``num_tokens``               ``max(prompt, tokens - 1)``
-EAGLE tail excluded from stores   while decoding               while decoding, not finished
-storable chunks capped by keys    no                           yes
-spec decode, no group annotated   every group is EAGLE         no group is EAGLE
-store reachability (window)       frontier-judged segments     block mask, store horizon
-================================  ===========================  ===========================
+===============================  ======================  =========================  =========================
+rule                             OLD (0.29.0)            NEW (0.30.0)               LATEST (0.33.0)
+===============================  ======================  =========================  =========================
+window chunks of a window group  cdiv(W, tpc)            cdiv(W, tpc)               max(it, cdiv(W-1+e, tpc))
+window search, first run         need chunks             loadwin(cand) (+1 eagle)   loadwin_e(cand), +1 eagle
+HIT_PENDING in the window scan   defers, wherever it is  defers in the run only     defers in the run only
+EAGLE query widening (peek)      window groups only      every EAGLE group          every EAGLE group
+being-loaded check window        w_g                     loadwin(C + hit)           loadwin_e(C + hit)
+load start search after alloc    block 0, C <= first*bs  cdiv(C, bs)                cdiv(C, bs)
+store length at finish           num_tokens              max(prompt, tokens - 1)    max(prompt, tokens - 1)
+EAGLE tail excluded from stores  while decoding          decoding, not finished     decoding, not finished
+storable chunks capped by keys   no                      yes                        yes
+spec decode, no group annotated  every group is EAGLE    no group is EAGLE          no group is EAGLE
+store reachability (window)      frontier segments       block mask, store horizon  that mask over W + e
+null block in a stored chunk     last block checked      last block checked         reachable blocks checked
+store index at a lookup          kept                    kept                       restarts at chunk 0
+===============================  ======================  =========================  =========================
 
-Simplification: the ``extra_retained_tokens`` term of the load window only
-appears in vLLM 0.33 ("LATEST") and is deliberately not applied by NEW, which
-is faithful to 0.30 (spec §10 E4: both versions crash).
+The window chunks feed the lookup order (window groups by ``w_g``
+descending), the ordinary window of the search and the assertion
+``pending <= w_g * bpc + 1`` of the load plan (spec §10 E7).
+
+Not modelled for LATEST: 0.33 moved recency out of the connector (no touch
+at lookup or store; the CPU manager's policy ranks a request's chunks when
+it first reads or offers them and commits the order when it finishes); the
+connector here keeps NEW's touches. Also not modelled: its per-request
+``max_load_tokens`` cap and the synchronous-load budget (off by default).
 """
+
 
 from __future__ import annotations
 
@@ -44,7 +59,7 @@ from typing import ClassVar
 from sim.model.cpu_cache import LookupResult, OffloadKey
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 
-__all__ = ["NEW", "OLD", "WindowLogic", "WindowProfile", "profile"]
+__all__ = ["LATEST", "NEW", "OLD", "WindowLogic", "WindowProfile", "profile"]
 
 _HIT = LookupResult.HIT
 _PENDING = LookupResult.HIT_PENDING
@@ -58,6 +73,7 @@ class WindowLogic(enum.StrEnum):
 
     OLD = "old"
     NEW = "new"
+    LATEST = "latest"
 
 
 class WindowProfile:
@@ -71,6 +87,24 @@ class WindowProfile:
     unannotated_eagle_means_all: ClassVar[bool]
     #: storable chunks are capped by the number of keys of the group.
     caps_storable_by_keys: ClassVar[bool]
+
+    #: every lookup restarts the request's store index at chunk 0 (LATEST)
+    restarts_store_index_on_lookup: ClassVar[bool] = False
+
+    # -- group configuration ----------------------------------------------------------
+
+    def window_chunks(self, layout: Layout) -> tuple[int | None, ...]:
+        """``w_g`` of every group (None for full attention)."""
+        return layout.window_chunks
+
+    def lookup_order(self, layout: Layout) -> tuple[int, ...]:
+        """Full-attention groups in index order, then window-type groups by
+        this profile's ``w_g`` descending (stable)."""
+        return layout.lookup_order
+
+    def window_groups(self, layout: Layout) -> tuple[int, ...]:
+        """Window-type groups in lookup order."""
+        return layout.window_groups
 
     # -- lookup -------------------------------------------------------------------
 
@@ -125,21 +159,25 @@ class WindowProfile:
         end: int,
         storable: int,
         horizon: int | None,
+        block_ids: Sequence[int] | None = None,
     ) -> list[bool] | None:
         """Store reachability of chunks ``[start, end)`` of window group ``g``
-        (spec §7.3); None means every chunk is reachable."""
+        (spec §7.3); None means every chunk is reachable. ``block_ids`` (the
+        request's known GPU block ids of the group, 0 for a null block) is
+        read only by profiles that refuse a chunk with a reachable null block."""
         raise NotImplementedError
 
 
-def load_window(group: GroupSpec, tpc: int, w: int, boundary: int) -> int:
-    """``loadwin_g(N)`` of vLLM 0.30 (spec §4.6): chunks that GPU allocation
-    retains for a hit ending at ``boundary``; ``w`` for every kind but
-    sliding window."""
+def load_window(group: GroupSpec, tpc: int, w: int, boundary: int, extra: int = 0) -> int:
+    """``loadwin_g(N)`` (spec §4.6): chunks that GPU allocation retains for a
+    hit ending at ``boundary``; ``w`` for every kind but sliding window.
+    ``extra`` is the group's ``extra_retained_tokens`` where the version
+    counts them (0.33), 0 where it ignores them (0.30)."""
     if group.kind is not GroupKind.SLIDING_WINDOW:
         return w
     assert group.window is not None
     pad = -boundary % tpc
-    return max(w, cdiv(group.window - 1 + pad, tpc))
+    return max(w, cdiv(group.window - 1 + extra + pad, tpc))
 
 
 class _Old(WindowProfile):
@@ -200,6 +238,7 @@ class _Old(WindowProfile):
         end: int,
         storable: int,
         horizon: int | None,
+        block_ids: Sequence[int] | None = None,
     ) -> list[bool] | None:
         # Segments of the full-attention chunk grid; within each, only the last
         # w (+1 eagle) chunks can serve a hit. The partial last segment is judged
@@ -282,43 +321,134 @@ class _New(WindowProfile):
         end: int,
         storable: int,
         horizon: int | None,
+        block_ids: Sequence[int] | None = None,
     ) -> list[bool] | None:
-        # Block-granular mask of the GPU manager: the last ``need`` blocks of
-        # every full-attention segment (shifted right by one for EAGLE); the
-        # final partial segment judged against the store horizon (in chunks)
-        # rather than the frontier. A chunk is reachable if any block is.
-        group = layout.groups[g]
-        if group.kind is not GroupKind.SLIDING_WINDOW:
-            return None  # chunked-local and mamba masks are not modelled: dense
-        align = layout.alignment_tokens
-        bs = group.tokens_per_block
-        if align is None or align % bs:
+        blocks = _block_mask(layout, g, eagle, start, end, horizon, 0)
+        if blocks is None:
             return None
-        assert group.window is not None
-        need = cdiv(group.window - 1, bs) + int(eagle)
-        per_segment = align // bs
-        if need >= per_segment:
-            return None
-        shift = int(eagle)
         bpc = layout.blocks_per_chunk
-        b0, b1 = start * bpc, end * bpc
-        blocks = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(b0, b1)]
-        if horizon is not None and not eagle:
-            final_end = horizon * bpc
-            final_size = final_end % per_segment
-            if final_size:
-                tail_start = max(final_end - final_size, final_end - need)
-                for i in range(max(b0, tail_start), min(b1, final_end)):
-                    blocks[i - b0] = True
         return [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(end - start)]
+
+
+def _block_mask(layout: Layout, g: int, eagle: bool, start: int, end: int, horizon: int | None,
+                extra: int) -> list[bool] | None:
+    """The sliding-window GPU manager's block mask (0.30 and 0.33) over the
+    blocks of chunks ``[start, end)``: the last ``need`` blocks of every
+    full-attention segment (shifted right by one for EAGLE); the final partial
+    segment judged against the store horizon (in chunks) rather than the
+    frontier. ``extra`` widens the window (0.33 adds ``extra_retained_tokens``).
+    None: every block is reachable."""
+    group = layout.groups[g]
+    if group.kind is not GroupKind.SLIDING_WINDOW:
+        return None  # chunked-local and mamba masks are not modelled: dense
+    align = layout.alignment_tokens
+    bs = group.tokens_per_block
+    if align is None or align % bs:
+        return None
+    assert group.window is not None
+    need = cdiv(group.window + extra - 1, bs) + int(eagle)
+    per_segment = align // bs
+    if need >= per_segment:
+        return None
+    shift = int(eagle)
+    bpc = layout.blocks_per_chunk
+    b0, b1 = start * bpc, end * bpc
+    blocks = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(b0, b1)]
+    if horizon is not None and not eagle:
+        final_end = horizon * bpc
+        final_size = final_end % per_segment
+        if final_size:
+            tail_start = max(final_end - final_size, final_end - need)
+            for i in range(max(b0, tail_start), min(b1, final_end)):
+                blocks[i - b0] = True
+    return blocks
+
+
+def latest_window_chunks(group: GroupSpec, tpc: int) -> int | None:
+    """``w_g`` in vLLM 0.33: a sliding-window group's window also spans its
+    ``extra_retained_tokens`` (``max(cdiv(W, t), cdiv(W - 1 + e, t))``); the
+    other kinds as before."""
+    if group.kind is GroupKind.FULL:
+        return None
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        assert group.window is not None
+        return max(cdiv(group.window, tpc), cdiv(group.window - 1 + group.extra_retained_tokens, tpc))
+    if group.kind is GroupKind.CHUNKED_LOCAL:
+        assert group.attention_chunk is not None
+        return cdiv(group.attention_chunk, tpc)
+    return 1
+
+
+class _Latest(_New):
+    """vLLM 0.33.0: NEW plus ``extra_retained_tokens`` in every window size
+    (lookup window, load window, store mask), a chunk with a reachable null
+    block is not stored, and the store index restarts at each lookup.
+
+    Not modelled: 0.33 moved recency from the connector's touches into the
+    CPU manager's policy (request-scoped ranks, committed at finish); the
+    connector here still touches as NEW does (see docs/latest.md)."""
+
+    logic = WindowLogic.LATEST
+    restarts_store_index_on_lookup = True
+
+    def window_chunks(self, layout: Layout) -> tuple[int | None, ...]:
+        return tuple(latest_window_chunks(g, t) for g, t in zip(layout.groups, layout.tokens_per_chunk,
+                                                                   strict=True))
+
+    def lookup_order(self, layout: Layout) -> tuple[int, ...]:
+        w = self.window_chunks(layout)
+        fa = [i for i, x in enumerate(w) if x is None]
+        sw = sorted((i for i, x in enumerate(w) if x is not None), key=lambda i: -(w[i] or 0))
+        return tuple(fa + sw)
+
+    def window_groups(self, layout: Layout) -> tuple[int, ...]:
+        w = self.window_chunks(layout)
+        return tuple(i for i in self.lookup_order(layout) if w[i] is not None)
+
+    def initial_window(self, group: GroupSpec, tpc: int, w: int, cand: int) -> int | None:
+        return load_window(group, tpc, w, cand, group.extra_retained_tokens)
+
+    def being_loaded_window(self, group: GroupSpec, tpc: int, w: int | None, boundary: int) -> int | None:
+        return None if w is None else load_window(group, tpc, w, boundary, group.extra_retained_tokens)
+
+    def reachable_chunks(
+        self,
+        layout: Layout,
+        g: int,
+        eagle: bool,
+        start: int,
+        end: int,
+        storable: int,
+        horizon: int | None,
+        block_ids: Sequence[int] | None = None,
+    ) -> list[bool] | None:
+        # The mask of a sliding-window group spans W + e tokens; a chunk is
+        # stored only if a block is reachable and no reachable block is null.
+        blocks = _block_mask(layout, g, eagle, start, end, horizon, layout.groups[g].extra_retained_tokens)
+        bpc = layout.blocks_per_chunk
+        if block_ids is None or bpc == 1:
+            # one block per chunk: the null check is the connector's last-block test
+            if blocks is None:
+                return None
+            return [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(end - start)]
+        ids = block_ids[start * bpc : end * bpc]
+        out = []
+        for k in range(end - start):
+            sub = range(k * bpc, (k + 1) * bpc)
+            if blocks is None:
+                out.append(all(ids[i] != 0 for i in sub))
+            else:
+                out.append(any(blocks[i] for i in sub) and not any(blocks[i] and ids[i] == 0 for i in sub))
+        return out
 
 
 OLD: WindowProfile = _Old()
 NEW: WindowProfile = _New()
+LATEST: WindowProfile = _Latest()
 
-_PROFILES = {WindowLogic.OLD: OLD, WindowLogic.NEW: NEW}
+_PROFILES = {WindowLogic.OLD: OLD, WindowLogic.NEW: NEW, WindowLogic.LATEST: LATEST}
 
 
 def profile(logic: WindowLogic | str) -> WindowProfile:
-    """The profile object of ``logic`` ("old" or "new")."""
+    """The profile object of ``logic`` ("old", "new" or "latest")."""
     return _PROFILES[WindowLogic(logic)]

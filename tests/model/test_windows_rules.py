@@ -1,4 +1,5 @@
-"""The OLD/NEW rule table of :mod:`sim.model.windows`, one row per rule, both profiles.
+"""The OLD/NEW rule table of :mod:`sim.model.windows`, one row per rule, both profiles
+(LATEST: tests/model/test_latest.py).
 
 Every row names a rule exactly as the table in the windows docstring spells
 it, an input, and the answer of OLD (vLLM 0.29) and of NEW (0.30). The
@@ -379,15 +380,23 @@ def test_every_row_tells_old_from_new(row: Row) -> None:
     assert row.old != row.new
 
 
-def docstring_rules() -> list[str]:
+def docstring_table() -> list[list[str]]:
+    """The rows of the windows docstring's rule table: [rule, OLD, NEW, LATEST] cells."""
     doc = windows.__doc__ or ""
     table = doc.split("\nrule ", 1)[1]
     body = table.split("\n", 2)[2]  # past the header line and the rule below it
     rows = body.split("\n====")[0].splitlines()
-    return [re.split(r"\s{2,}", line.strip())[0] for line in rows if line.strip()]
+    return [re.split(r"\s{2,}", line.strip()) for line in rows if line.strip()]
+
+
+def docstring_rules() -> list[str]:
+    """The rules in which OLD and NEW differ (the LATEST-only rules are
+    tests/model/test_latest.py's)."""
+    return [cells[0] for cells in docstring_table() if cells[1] != cells[2]]
 
 
 def test_every_rule_of_the_docstring_has_a_row() -> None:
+    assert all(len(cells) == 4 for cells in docstring_table())
     rules = docstring_rules()
     assert len(rules) == 10, rules
     assert sorted(set(rules)) == sorted({row.rule for row in ROWS})

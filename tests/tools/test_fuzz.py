@@ -303,7 +303,7 @@ def test_regress_jobs_option_keeps_table_and_exit_codes(tmp_path: Path, capsys):
 
 
 def test_fuzz_cli_rejects_bad_arguments(capsys):
-    assert main(["fuzz", "--budget", "10", "--logic-pair", "old,latest"]) == 2
+    assert main(["fuzz", "--budget", "10", "--logic-pair", "old,newest"]) == 2
     assert main(["fuzz", "--budget", "0"]) == 2
     assert main(["fuzz", "--runs", "1", "--jobs", "0"]) == 2
     capsys.readouterr()
