@@ -27,7 +27,7 @@ from typing import Any, Literal, cast
 from tqdm import tqdm
 
 from sim.errors import InputError
-from sim.io.check import evaluate, load_check_file, parse_check, summarize
+from sim.io.check import evaluate, load_check_file, parse_check, scenario_outcomes, summarize
 from sim.io.results import (
     RunWriter,
     find_unreadable,
@@ -106,7 +106,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         result: Any = outcomes if len(outcomes) > 1 else next(iter(outcomes.values()))
         results.append(result)
         if not (args.json or args.jsonl):
-            _print_outcomes(sc.name or source, outcomes, mismatches, sc.expect)
+            _print_outcomes(sc, source, outcomes, mismatches)
     if args.jsonl:
         for r in results:
             print(json.dumps(r))
@@ -115,10 +115,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _print_outcomes(name: str, outcomes: dict[str, Any], mismatches: dict[str, list[str]],
-                    expect: Any) -> None:
-    for logic, out in outcomes.items():
-        verdict = "MISMATCH" if logic in mismatches else ("ok" if logic in expect else "(no expectation)")
+def _print_outcomes(sc: Any, source: str, outcomes: dict[str, Any], mismatches: dict[str, list[str]]) -> None:
+    """A line per logic; with ``window_logic = "both"`` also for a logic only an
+    expectation names (``[expect.latest]``, checked by :func:`evaluate`)."""
+    shown = dict(outcomes)
+    if sc.window_logic == "both":
+        for logic in sc.expect:
+            if logic not in shown:
+                shown.update(scenario_outcomes(sc.model_copy(update={"window_logic": logic}), source))
+    name = sc.name or source
+    for logic, out in shown.items():
+        verdict = "MISMATCH" if logic in mismatches else ("ok" if logic in sc.expect else "(no expectation)")
         print(f"{name} [{logic}] {summarize(out)}  {verdict}")
         for d in mismatches.get(logic, []):
             print(f"    {d}")
@@ -282,7 +289,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         with interruptible():
             result = compare_runs(Path(args.scenario), args.out, args.overrides or [], jobs=args.jobs,
                                   progress=not quiet, overwrite=args.overwrite,
-                                  verify_reproducers=args.verify_reproducers, argv=sys.argv)
+                                  verify_reproducers=args.verify_reproducers, argv=sys.argv,
+                                  logics=args.logics)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the workers are stopped; one line
         kept = exc.kept if isinstance(exc, Interrupted) and exc.kept else "nothing written"
         print(f"kvsim: interrupted ({signal_name(signal_of(exc))}); {kept}", file=sys.stderr)
@@ -290,7 +298,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(compare_table(result.figures, result.path))
     over = [lg.upper() for lg, f in result.figures["runs"].items() if f.get("overloaded")]
     if over:
-        print(f"kvsim: warning: the {' and '.join(over)} run{'s are' if len(over) > 1 else ' is'} overloaded "
+        who = " and ".join(over) if len(over) < 3 else f"{', '.join(over[:-1])} and {over[-1]}"
+        print(f"kvsim: warning: the {who} run{'s are' if len(over) > 1 else ' is'} overloaded "
               f"(the queue grows with the trace): compare decisions, not TTFT (docs/metrics.md)",
               file=sys.stderr)
     if result.status != "ok":
@@ -711,13 +720,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("compare", help="run a scenario under OLD and NEW logic and compare (same seed)")
+    p = sub.add_parser("compare", help="run a scenario under OLD and NEW (or --logics) and compare "
+                                       "(same seed)")
     p.add_argument("scenario", help="run/1 scenario TOML (its window_logic is replaced per run)")
     p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>-compare)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty compare folder")
     add_override_options(p)
-    p.add_argument("--jobs", type=int, default=2, choices=[1, 2],
-                   help="2: both runs in parallel processes (default); 1: one after the other")
+    p.add_argument("--logics", default="old,new", metavar="A,B[,C]",
+                   help="two or three of old,new,latest, in report order; each is compared with the "
+                        "first (default old,new)")
+    p.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="worker processes (default: one per logic); 1: one run after the other")
     p.add_argument("--verify-reproducers", action="store_true",
                    help="replay every reproducer with kvsim check and report whether it reproduces")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")

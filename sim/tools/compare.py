@@ -1,30 +1,38 @@
-"""OLD versus NEW on the same scenario and seed (``kvsim compare``).
+"""OLD versus NEW (and LATEST) on the same scenario and seed (``kvsim compare``).
 
 What it does
-    :func:`compare_runs` runs one ``run/1`` scenario twice, with
-    ``window_logic = "old"`` (vLLM 0.29.0) and ``"new"`` (vLLM 0.30.0); any
+    :func:`compare_runs` runs one ``run/1`` scenario once per window logic:
+    by default twice, with ``window_logic = "old"`` (vLLM 0.29.0) and
+    ``"new"`` (vLLM 0.30.0); ``logics`` (``--logics``) names any two or three
+    of ``old``, ``new``, ``latest`` (vLLM 0.33.0), in report order. Any
     ``window_logic`` in the file or in the overrides is replaced per run.
-    Both runs use the same seed, so they see the same requests and differ
+    The runs use the same seed, so they see the same requests and differ
     only through the profile objects of :mod:`sim.model.windows`. Each run goes
-    through :func:`sim.tools.run.execute` into its own run folder, in two
-    processes (a spawn-safe top-level worker; ``jobs = 1`` runs them one
-    after the other in this process). Then the two folders are read back and
-    compared.
+    through :func:`sim.tools.run.execute` into its own run folder, in up to
+    ``jobs`` worker processes (a spawn-safe top-level worker; ``jobs = 1`` runs
+    them one after the other in this process). Then the folders are read back
+    and compared, each logic with the first.
 
 Folder (``results/<name>-compare/`` unless ``out`` names it: beside the run
 folder ``results/<name>/`` of ``kvsim run``, never inside it)::
 
-    old/ new/          the two run folders (see sim.io.results)
+    old/ new/          the run folders, one per logic (see sim.io.results)
     compare.md         the report: side-by-side figures, diverging requests,
                        reproducers, the figure, wall-clock timings
     compare.json       the figures of the report (section "timing" is the
                        only one that differs between two compares of the
-                       same scenario)
-    compare.png        OLD left, NEW right (sim.tools.plots.old_vs_new): modelled
-                       crashes / hazards / integrity violations over time,
-                       tokens loaded from the CPU cache, TTFT CDF
-    diverged.parquet   one row per request whose outcome differs (columns:
-                       :data:`DIVERGED_COLUMNS`), ``how`` says it in words
+                       same scenario); key "logics" (the order) only when
+                       they are not old, new
+    compare.png        one column per logic, OLD left (sim.tools.plots.old_vs_new):
+                       modelled crashes / hazards / integrity violations over
+                       time, tokens loaded from the CPU cache, TTFT CDF
+    diverged.parquet   one row per request whose outcome differs between the
+                       first and the second logic (columns: :data:`DIVERGED_COLUMNS`,
+                       :func:`diverged_columns` for other logics), ``how`` says
+                       it in words
+    diverged-<first>-<other>.parquet
+                       the same for the first logic against the third (three
+                       logics only; compare.json section "diverged_pairs")
 
     The folder is written like a run folder (see "Life cycle" in
     :mod:`sim.io.results`): into a temporary folder beside the target
@@ -37,6 +45,13 @@ folder ``results/<name>/`` of ``kvsim run``, never inside it)::
     workers are stopped, its temporary folder removed, and the previous
     compare is left as it was. The two worker processes die with the
     compare process (:func:`sim.tools.run.worker_init`).
+
+Logics
+    ``logics = ("old", "new")`` (the default) writes exactly what compares
+    wrote before ``--logics`` existed. With ``("old", "new", "latest")`` the
+    folder also holds ``latest/`` and ``diverged-old-latest.parquet``, the
+    table and ``compare.md`` get a LATEST column, and ``compare.json`` says
+    ``"logics": ["old", "new", "latest"]``.
 
 Divergence
     A request diverges when any of ``status``, ``crash``, ``cpu_hit_tokens``,
@@ -96,23 +111,34 @@ from sim.tools.plots import old_vs_new, save_figure
 from sim.tools.run import Interrupted, execute, signal_of, stop_pool, worker_init
 
 __all__ = [
+    "ALL_LOGICS",
     "DIVERGED_COLUMNS",
     "LOGICS",
+    "LOGIC_NAMES",
     "CompareResult",
+    "compare_logics",
     "compare_runs",
     "compare_table",
     "default_target",
     "describe_divergence",
+    "diverged_columns",
     "diverged_requests",
     "list_reproducers",
     "load_compare",
     "logic_figures",
     "markdown_report",
+    "parse_logics",
     "verify_reproducer",
 ]
 
-#: the two window logics, in report order
+#: the window logics compared by default, in report order
 LOGICS: tuple[str, str] = ("old", "new")
+#: every window logic a compare can run
+ALL_LOGICS: tuple[str, ...] = ("old", "new", "latest")
+#: the vLLM release each logic models
+_VLLM: dict[str, str] = {"old": "vLLM 0.29.0", "new": "vLLM 0.30.0", "latest": "vLLM 0.33.0"}
+#: the column header of each logic
+LOGIC_NAMES: dict[str, str] = {lg: f"{lg.upper()} ({v})" for lg, v in _VLLM.items()}
 
 #: per-logic request columns compared (and copied into ``diverged.parquet``)
 _OUTCOME: tuple[tuple[str, str], ...] = (
@@ -121,9 +147,15 @@ _OUTCOME: tuple[tuple[str, str], ...] = (
     ("first_token_s", "float64"), ("ttft_s", "float64"), ("finish_s", "float64"),
 )
 
-#: columns of ``diverged.parquet``, in order
-DIVERGED_COLUMNS: tuple[str, ...] = (
-    "req_id", "arrival_s", *(f"{lg}_{c}" for lg in LOGICS for c, _ in _OUTCOME), "how")
+
+
+def diverged_columns(first: str = "old", other: str = "new") -> tuple[str, ...]:
+    """The columns of a diverged table of ``first`` against ``other``, in order."""
+    return ("req_id", "arrival_s", *(f"{lg}_{c}" for lg in (first, other) for c, _ in _OUTCOME), "how")
+
+
+#: columns of ``diverged.parquet`` of an OLD vs NEW compare, in order
+DIVERGED_COLUMNS: tuple[str, ...] = diverged_columns(*LOGICS)
 
 #: requests listed by name in the printed table and the report
 _SHOWN = 5
@@ -136,12 +168,16 @@ class CompareResult:
 
     Attributes:
         path: the compare folder.
-        runs: logic -> its run folder (``path / "old"``, ``path / "new"``).
+        runs: logic -> its run folder (``path / "old"``, ``path / "new"``), in report order.
         figures: the contents of ``compare.json``.
-        diverged: ``diverged.parquet`` as a DataFrame (columns :data:`DIVERGED_COLUMNS`).
+        diverged: ``diverged.parquet`` as a DataFrame (the first logic against the
+            second; columns :data:`DIVERGED_COLUMNS` for OLD vs NEW).
         status: ``"ok"``, or ``"failed"`` when a run failed (its ``summary.json`` says why).
         errors: logic -> the traceback of its failed run.
         kept: the previous compare left in place when this failed one went beside it.
+        logics: the logics compared, in report order (the first is the reference).
+        diverged_pairs: ``"<first>-<other>"`` -> ``diverged-<first>-<other>.parquet``
+            as a DataFrame, for every logic after the second (empty for two logics).
     """
 
     path: Path
@@ -152,6 +188,8 @@ class CompareResult:
     errors: dict[str, str] = field(default_factory=dict)
     #: the previous compare left in place when this one (failed) went beside it
     kept: Path | None = None
+    logics: tuple[str, ...] = LOGICS
+    diverged_pairs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def report(self) -> Path:
@@ -164,7 +202,23 @@ class CompareResult:
         return self.path / "compare.png"
 
 
-# -- the two runs -----------------------------------------------------------------------
+# -- the runs --------------------------------------------------------------------------
+
+
+def parse_logics(logics: str | Sequence[str]) -> tuple[str, ...]:
+    """The logics of a compare, from ``"old,new,latest"`` or a sequence of names.
+
+    Raises:
+        InputError: an unknown name, a name given twice, or fewer than two
+            (``argument: --logics``).
+    """
+    text = logics if isinstance(logics, str) else ",".join(str(x) for x in logics)
+    names = tuple(x.strip() for x in text.split(","))
+    if len(names) < 2 or len(set(names)) != len(names) or any(x not in ALL_LOGICS for x in names):
+        raise InputError("argument", "--logics", repr(text),
+                         "two or three different ones of old,new,latest, comma-separated "
+                         "(e.g. old,new or old,new,latest)")
+    return names
 
 
 def _logic_overrides(overrides: Sequence[str | tuple[str, str]], logic: str) -> list[str | tuple[str, str]]:
@@ -209,9 +263,9 @@ def _run_logic(task: dict[str, Any]) -> dict[str, Any]:
             "traceback": None if err is None else "".join(traceback.format_exception(err))}
 
 
-def _run_both(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
-    """Both runs: here one after the other (``jobs = 1``), or in two worker processes that
-    ignore Ctrl-C (the parent stops them) and die with the parent."""
+def _run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    """Every run: here one after the other (``jobs = 1``), or in up to ``jobs`` worker
+    processes that ignore Ctrl-C (the parent stops them) and die with the parent."""
     if jobs <= 1:
         return [_run_logic(t) for t in tasks]
 
@@ -236,21 +290,23 @@ def _check_target(target: Path, overwrite: bool) -> None:
 
 
 def compare_runs(spec_path: str | Path, out: str | Path | None = None,
-                 overrides: Sequence[str | tuple[str, str]] = (), jobs: int = 2, progress: bool = False,
-                 *, overwrite: bool = False, verify_reproducers: bool = False,
-                 argv: Sequence[str] = ()) -> CompareResult:
-    """Run a scenario under OLD and NEW and write the compare folder.
+                 overrides: Sequence[str | tuple[str, str]] = (), jobs: int | None = None,
+                 progress: bool = False, *, overwrite: bool = False, verify_reproducers: bool = False,
+                 argv: Sequence[str] = (), logics: str | Sequence[str] = LOGICS) -> CompareResult:
+    """Run a scenario under OLD and NEW (or the given ``logics``) and write the compare folder.
 
     Args:
         spec_path: the ``run/1`` scenario.
         out: the compare folder (default ``results/<name>-compare``).
         overrides: ``--set``-style overrides (``"key=value"`` or ``(option, "key=value")``),
             applied before the compare's own ``window_logic``.
-        jobs: 2 runs the two logics in parallel processes; 1 runs them here, in turn.
+        jobs: worker processes (default: one per logic); 1 runs the logics here, in turn.
         progress: show a progress bar per run on stderr.
         overwrite: replace a non-empty compare folder.
         verify_reproducers: replay every reproducer with :mod:`sim.io.check`.
         argv: the command line, for the runs' ``run_info.json``.
+        logics: two or three of ``old``, ``new``, ``latest`` (a sequence or
+            ``"old,new,latest"``), in report order; each is compared with the first.
 
     Returns:
         The result; ``status`` is ``"failed"`` when a run failed (the folder
@@ -265,11 +321,15 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
             workers are stopped and nothing is created.
     """
 
+    names = parse_logics(logics)
+    if jobs is None:
+        jobs = len(names)
     if type(jobs) is not int or jobs < 1:
-        raise InputError("argument", "--jobs", f"{jobs!r}", "1 (one run after the other) or 2 (in parallel)")
+        raise InputError("argument", "--jobs", f"{jobs!r}",
+                         "an integer >= 1 (1: one run after the other; default: one process per logic)")
     spec_path = Path(spec_path)
-    specs = {lg: load_run(spec_path, _logic_overrides(overrides, lg)) for lg in LOGICS}
-    spec = specs["old"]
+    specs = {lg: load_run(spec_path, _logic_overrides(overrides, lg)) for lg in names}
+    spec = specs[names[0]]
     target = Path(out) if out is not None else default_target(spec.name)
     _check_target(target, overwrite)
     previous = target.is_dir() and any(target.iterdir())
@@ -290,11 +350,11 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
             raise out_error(target, exc) from None
         tasks = [{"logic": lg, "scenario": str(spec_path), "overrides": list(overrides),
                   "target": str(tmp / lg), "progress": progress, "position": i, "argv": list(argv)}
-                 for i, lg in enumerate(LOGICS)]
+                 for i, lg in enumerate(names)]
         t0 = time.perf_counter()
-        done = {r["logic"]: r for r in _run_both(tasks, jobs)}
+        done = {r["logic"]: r for r in _run_all(tasks, jobs)}
         wall_s = time.perf_counter() - t0
-        for lg in LOGICS:
+        for lg in names:
             bad = done[lg].get("input_error")
             if bad is not None:
                 if bad[:2] == ["argument", "--out"]:  # the run's output (a full disk): name the compare's
@@ -304,10 +364,10 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
                     "overrides": [o if isinstance(o, str) else f"{o[0]} {o[1]}" for o in overrides],
                     "copy_path": spec.scenario.copy_path.enabled,
                     "describe": spec.describe().rsplit(", logic ", 1)[0]}
-        timing = {"jobs": min(jobs, 2), "wall_clock_s": wall_s,
-                  **{f"{lg}_wall_clock_s": done[lg]["wall_s"] for lg in LOGICS}}
+        timing = {"jobs": min(jobs, len(names)), "wall_clock_s": wall_s,
+                  **{f"{lg}_wall_clock_s": done[lg]["wall_s"] for lg in names}}
         try:
-            result = _write_compare(tmp, scenario, timing, verify_reproducers)
+            result = _write_compare(tmp, scenario, timing, verify_reproducers, names)
             dest = target if result.status == "ok" or not previous else \
                 target.parent / f"{target.name}.failed"
             move_into_place(tmp, dest)
@@ -322,8 +382,8 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
         raise
 
     result.path = dest
-    result.runs = {lg: dest / lg for lg in LOGICS}
-    result.errors = {lg: str(done[lg]["traceback"]) for lg in LOGICS if done[lg].get("traceback")}
+    result.runs = {lg: dest / lg for lg in names}
+    result.errors = {lg: str(done[lg]["traceback"]) for lg in names if done[lg].get("traceback")}
     result.kept = target if dest != target else None
     return result
 
@@ -400,22 +460,25 @@ def _times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
 
 
-def describe_divergence(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """How one request's outcome differs between OLD and NEW, in words.
+def describe_divergence(old: dict[str, Any], new: dict[str, Any],
+                        names: tuple[str, str] = ("OLD", "NEW")) -> str:
+    """How one request's outcome differs between OLD and NEW (or the two logics
+    ``names`` says), in words.
 
     ``old`` and ``new`` map the compared columns (``status``, ``crash``,
     ``cpu_hit_tokens`` ...) to values; ``status`` "absent" marks a request
     the run never recorded.
     """
-    side = {"OLD": old, "NEW": new}
+    A, B = names  # noqa: N806 -- the two logics' names, as printed
+    side = {A: old, B: new}
     parts: list[str] = []
     if old.get("status") == "absent" or new.get("status") == "absent":
-        missing = "OLD" if old.get("status") == "absent" else "NEW"
-        other = side["NEW" if missing == "OLD" else "OLD"]
-        return f"only in {'NEW' if missing == 'OLD' else 'OLD'} ({other.get('status')}); " \
+        missing = A if old.get("status") == "absent" else B
+        other = side[B if missing == A else A]
+        return f"only in {B if missing == A else A} ({other.get('status')}); " \
                f"{missing} never recorded it"
     crash = {k: v.get("crash") for k, v in side.items()}
-    if not _same(crash["OLD"], crash["NEW"]):
+    if not _same(crash[A], crash[B]):
         bits = []
         for name, c in crash.items():
             r = side[name]
@@ -426,26 +489,26 @@ def describe_divergence(old: dict[str, Any], new: dict[str, Any]) -> str:
                 bits.append(f"{name} loaded {hit} tokens" if hit else f"{name} loaded nothing")
         parts.append(", ".join(bits))
     if not _same(old.get("status"), new.get("status")):
-        parts.append(f"OLD {old.get('status')}, NEW {new.get('status')}")
+        parts.append(f"{A} {old.get('status')}, {B} {new.get('status')}")
     d_old, d_new = int(old.get("deferrals") or 0), int(new.get("deferrals") or 0)
     if d_old != d_new:
         if d_old == 0:
-            parts.append(f"NEW deferred {_times(d_new)}")
+            parts.append(f"{B} deferred {_times(d_new)}")
         elif d_new == 0:
-            parts.append(f"OLD deferred {_times(d_old)}")
+            parts.append(f"{A} deferred {_times(d_old)}")
         else:
-            parts.append(f"OLD deferred {_times(d_old)}, NEW {_times(d_new)}")
-    if _same(crash["OLD"], crash["NEW"]) and not _same(old.get("cpu_hit_tokens"), new.get("cpu_hit_tokens")):
-        parts.append(f"different CPU hit (OLD {old.get('cpu_hit_tokens')}, "
-                     f"NEW {new.get('cpu_hit_tokens')} tokens)")
+            parts.append(f"{A} deferred {_times(d_old)}, {B} {_times(d_new)}")
+    if _same(crash[A], crash[B]) and not _same(old.get("cpu_hit_tokens"), new.get("cpu_hit_tokens")):
+        parts.append(f"different CPU hit ({A} {old.get('cpu_hit_tokens')}, "
+                     f"{B} {new.get('cpu_hit_tokens')} tokens)")
     if not _same(old.get("cpu_reload_tokens"), new.get("cpu_reload_tokens")):
-        parts.append(f"different CPU reload (OLD {old.get('cpu_reload_tokens')}, "
-                     f"NEW {new.get('cpu_reload_tokens')} tokens)")
+        parts.append(f"different CPU reload ({A} {old.get('cpu_reload_tokens')}, "
+                     f"{B} {new.get('cpu_reload_tokens')} tokens)")
     if parts:
         return "; ".join(parts)
     if not _same(old.get("computed_tokens"), new.get("computed_tokens")):
-        return (f"different computed tokens (OLD {old.get('computed_tokens')}, "
-                f"NEW {new.get('computed_tokens')})")
+        return (f"different computed tokens ({A} {old.get('computed_tokens')}, "
+                f"{B} {new.get('computed_tokens')})")
     ttft = not _same(old.get("first_token_s"), new.get("first_token_s"))
     finish = not _same(old.get("finish_s"), new.get("finish_s"))
     if ttft and finish:
@@ -483,30 +546,32 @@ def _rows_by_id(frame: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
-    """The requests whose outcome differs, one row each (columns :data:`DIVERGED_COLUMNS`),
+def diverged_requests(old_requests: Any, new_requests: Any, logics: Sequence[str] = LOGICS) -> Any:
+    """The requests whose outcome differs, one row each (columns :data:`DIVERGED_COLUMNS`,
+    or :func:`diverged_columns` of ``logics``: the two logics the tables come from),
     ordered by arrival time, then request id."""
     import pandas as pd  # noqa: PLC0415 -- pandas loads only for tables, so `kvsim check` starts light
 
-    rows = {"old": _rows_by_id(old_requests), "new": _rows_by_id(new_requests)}
+    a, b = logics
+    rows = {a: _rows_by_id(old_requests), b: _rows_by_id(new_requests)}
     absent = {c: None for c, _ in _OUTCOME} | {"status": "absent", "arrival_s": None}
     compared = [c for c, _ in _OUTCOME if c != "ttft_s"]
     out: list[dict[str, Any]] = []
-    for rid in set(rows["old"]) | set(rows["new"]):
-        o = rows["old"].get(rid, absent)
-        n = rows["new"].get(rid, absent)
+    for rid in set(rows[a]) | set(rows[b]):
+        o = rows[a].get(rid, absent)
+        n = rows[b].get(rid, absent)
         if all(_same(o[c], n[c]) for c in compared):
             continue
         arrival = o["arrival_s"] if o["arrival_s"] is not None else n["arrival_s"]
         rec: dict[str, Any] = {"req_id": rid, "arrival_s": arrival}
-        for lg, r in (("old", o), ("new", n)):
+        for lg, r in ((a, o), (b, n)):
             for c, _ in _OUTCOME:
                 rec[f"{lg}_{c}"] = r[c]
-        rec["how"] = describe_divergence(o, n)
+        rec["how"] = describe_divergence(o, n, (a.upper(), b.upper()))
         out.append(rec)
     out.sort(key=lambda r: (r["arrival_s"] if r["arrival_s"] is not None else math.inf, r["req_id"]))
-    frame = pd.DataFrame(out, columns=list(DIVERGED_COLUMNS))
-    for lg in LOGICS:
+    frame = pd.DataFrame(out, columns=list(diverged_columns(a, b)))
+    for lg in (a, b):
         for c, kind in _OUTCOME:
             if kind == "int64":
                 frame[f"{lg}_{c}"] = frame[f"{lg}_{c}"].astype("Int64")
@@ -515,16 +580,16 @@ def diverged_requests(old_requests: Any, new_requests: Any) -> Any:
     return frame
 
 
-def _diverged_schema() -> Any:
+def _diverged_schema(logics: Sequence[str] = LOGICS) -> Any:
     fields = [pa.field("req_id", pa.string(), nullable=False), pa.field("arrival_s", pa.float64())]
-    for lg in LOGICS:
+    for lg in logics:
         fields += [pa.field(f"{lg}_{c}", getattr(pa, kind)()) for c, kind in _OUTCOME]
     fields.append(pa.field("how", pa.string(), nullable=False))
     return pa.schema(fields)
 
 
-def _write_diverged(path: Path, frame: Any) -> None:
-    schema = _diverged_schema()
+def _write_diverged(path: Path, frame: Any, logics: Sequence[str] = LOGICS) -> None:
+    schema = _diverged_schema(logics)
     cols = {name: [_clean(v) for v in frame[name].tolist()] for name in schema.names}
     table = pa.Table.from_pydict(cols, schema=schema)
     pq.write_table(table, path, compression="zstd", compression_level=3, write_statistics=True,
@@ -619,12 +684,17 @@ def verify_reproducer(path: Path, logic: str, kind: str | None, detail: str | No
 # -- writing the compare ------------------------------------------------------------------
 
 
+def _pair_file(first: str, other: str) -> str:
+    """The diverged table of ``first`` against a logic after the second."""
+    return f"diverged-{first}-{other}.parquet"
+
+
 def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any],
-                   verify: bool) -> CompareResult:
-    runs = {lg: load_results(folder / lg) for lg in LOGICS}
+                   verify: bool, names: tuple[str, ...] = LOGICS) -> CompareResult:
+    runs = {lg: load_results(folder / lg) for lg in names}
     logics: dict[str, Any] = {}
     reproducers: dict[str, list[dict[str, Any]]] = {}
-    for lg in LOGICS:
+    for lg in names:
         res = runs[lg]
         logics[lg] = logic_figures(res.summary)
         reps = list_reproducers(res.path, res.events)
@@ -632,27 +702,45 @@ def _write_compare(folder: Path, scenario: dict[str, Any], timing: dict[str, Any
             for r in reps:
                 r["verified"] = verify_reproducer(res.path / r["file"], lg, r["kind"], r["detail"])
         reproducers[lg] = reps
-    diverged = diverged_requests(runs["old"].requests, runs["new"].requests)
-    total = len(set(runs["old"].requests["req_id"]) | set(runs["new"].requests["req_id"]))
+    first = names[0]
+    frames: dict[str, Any] = {}
+    counts: dict[str, Any] = {}
+    for other in names[1:]:
+        a, b = runs[first].requests, runs[other].requests
+        frames[other] = diverged_requests(a, b, (first, other))
+        counts[other] = _diverged_figures(frames[other], len(set(a["req_id"]) | set(b["req_id"])))
     status = "ok" if all(f["status"] == "ok" for f in logics.values()) else "failed"
     figures: dict[str, Any] = {
         "schema": "compare/1",
         "status": status,
         "scenario": scenario,
         "runs": logics,
-        "diverged": _diverged_figures(diverged, total),
+        "diverged": counts[names[1]],
         "reproducers": reproducers,
         "verified_reproducers": verify,
         "timing": timing,
     }
-    _write_diverged(folder / "diverged.parquet", diverged)
+    if names != LOGICS:  # compare.json sorts its keys: the order is said here (absent: old, new)
+        figures["logics"] = list(names)
+    if len(names) > 2:
+        figures["diverged_pairs"] = {f"{first}-{lg}": {**counts[lg], "file": _pair_file(first, lg)}
+                                     for lg in names[2:]}
+    _write_diverged(folder / "diverged.parquet", frames[names[1]], names[:2])
+    for lg in names[2:]:
+        _write_diverged(folder / _pair_file(first, lg), frames[lg], (first, lg))
 
     write_json_atomic(folder / "compare.json", clean_floats(figures))
 
     save_figure(old_vs_new(folder, runs=runs, figures=figures), folder / "compare.png")
     write_text_atomic(folder / "compare.md", markdown_report(clean_floats(figures)))
-    return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS},
-                         figures=clean_floats(figures), diverged=diverged, status=status)
+    return CompareResult(path=folder, runs={lg: folder / lg for lg in names},
+                         figures=clean_floats(figures), diverged=frames[names[1]], status=status,
+                         logics=names, diverged_pairs={f"{first}-{lg}": frames[lg] for lg in names[2:]})
+
+
+def compare_logics(figures: dict[str, Any]) -> tuple[str, ...]:
+    """The logics of a compare, in report order, from its ``compare.json``."""
+    return tuple(figures.get("logics") or LOGICS)
 
 
 def load_compare(path: str | Path) -> CompareResult:
@@ -667,11 +755,17 @@ def load_compare(path: str | Path) -> CompareResult:
         raise InputError(str(folder), "", "not a compare folder (no compare.json)",
                          "a folder written by kvsim compare")
     figures = json.loads(f.read_text(encoding="utf-8"))
-    d = folder / "diverged.parquet"
-    table = pq.read_table(d) if d.is_file() else _diverged_schema().empty_table()
-    diverged = table.to_pandas()
-    return CompareResult(path=folder, runs={lg: folder / lg for lg in LOGICS}, figures=figures,
-                         diverged=diverged, status=str(figures.get("status", "ok")))
+    names = compare_logics(figures)
+
+    def table(name: str, pair: tuple[str, str]) -> Any:
+        d = folder / name
+        return (pq.read_table(d) if d.is_file() else _diverged_schema(pair).empty_table()).to_pandas()
+
+    return CompareResult(path=folder, runs={lg: folder / lg for lg in names}, figures=figures,
+                         diverged=table("diverged.parquet", (names[0], names[1])),
+                         status=str(figures.get("status", "ok")), logics=names,
+                         diverged_pairs={f"{names[0]}-{lg}": table(_pair_file(names[0], lg), (names[0], lg))
+                                         for lg in names[2:]})
 
 
 # -- text ------------------------------------------------------------------------------
@@ -685,9 +779,10 @@ def _kinds(d: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items())
 
 
-def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(label, OLD, NEW) rows of the side-by-side table."""
+def _rows(figures: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(label, OLD, NEW[, LATEST]) rows of the side-by-side table, a cell per logic."""
     runs = figures["runs"]
+    names = compare_logics(figures)
     copy_path = bool(figures.get("scenario", {}).get("copy_path"))
 
     def cell(f: dict[str, Any], what: str) -> str:
@@ -741,10 +836,19 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, str, str]]:
               ("external-hit tokens", "external"), ("recomputed tokens", "recomputed"),
               ("computed tokens", "computed"), ("bytes H2D / D2H", "bytes"), ("load", "load"),
               ("TTFT p50 / p90 / p99", "ttft"), ("TPOT mean / p50", "tpot"), ("throughput", "throughput")]
-    rows = [(label, cell(runs["old"], what), cell(runs["new"], what)) for label, what in labels]
+    rows = [(label, *(cell(runs[lg], what) for lg in names)) for label, what in labels]
     reps = figures.get("reproducers", {})
-    rows.append(("reproducers", _rep_cell(reps.get("old", [])), _rep_cell(reps.get("new", []))))
+    rows.append(("reproducers", *(_rep_cell(reps.get(lg, [])) for lg in names)))
     return rows
+
+
+def _pairs(figures: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], str]]:
+    """(first, other, diverged figures, file) of each logic compared with the first."""
+    names = compare_logics(figures)
+    more = figures.get("diverged_pairs", {})
+    return [(names[0], names[1], figures["diverged"], "diverged.parquet"),
+            *((names[0], lg, more[f"{names[0]}-{lg}"], more[f"{names[0]}-{lg}"]["file"])
+              for lg in names[2:])]
 
 
 def _rep_cell(reps: list[dict[str, Any]]) -> str:
@@ -757,20 +861,25 @@ def _rep_cell(reps: list[dict[str, Any]]) -> str:
 
 
 def compare_table(figures: dict[str, Any], folder: Path | str | None = None) -> str:
-    """The side-by-side table ``kvsim compare`` prints, with the first diverging requests."""
-    rows = [("", "OLD (vLLM 0.29.0)", "NEW (vLLM 0.30.0)"), *_rows(figures)]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    lines = [f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
-    d = figures["diverged"]
-    split = ""
-    if d["count"] and "outcome" in d:
-        split = f" ({d['outcome']} in outcome, {d['timing_only']} in timing only)"
-    lines.append(f"{'diverging requests':<{w0}}  {d['count']} of {d['requests']}{split}")
-    for item in d["first"][:_SHOWN]:
-        lines.append(f"{'':<{w0}}  {item['req_id']}: {item['how']}")
-    if d["count"] > _SHOWN:
-        lines.append(f"{'':<{w0}}  ... {d['count'] - _SHOWN} more in diverged.parquet")
+    """The side-by-side table ``kvsim compare`` prints (a column per logic), with the
+    first diverging requests of each logic against the first."""
+    rows = [("", *(LOGIC_NAMES[lg] for lg in compare_logics(figures))), *_rows(figures)]
+    pairs = _pairs(figures)
+    label = {other: "diverging requests" if len(pairs) == 1 else
+             f"diverging {first.upper()} vs {other.upper()}" for first, other, _, _ in pairs}
+    w0 = max(len(r[0]) for r in [*rows, *((x,) for x in label.values())])
+    widths = [max(len(r[i]) for r in rows) for i in range(1, len(rows[0]) - 1)]
+    lines = ["  ".join([f"{r[0]:<{w0}}", *(f"{c:<{w}}" for c, w in zip(r[1:-1], widths, strict=True)),
+                        r[-1]]).rstrip() for r in rows]
+    for _, other, d, file in pairs:
+        split = ""
+        if d["count"] and "outcome" in d:
+            split = f" ({d['outcome']} in outcome, {d['timing_only']} in timing only)"
+        lines.append(f"{label[other]:<{w0}}  {d['count']} of {d['requests']}{split}")
+        for item in d["first"][:_SHOWN]:
+            lines.append(f"{'':<{w0}}  {item['req_id']}: {item['how']}")
+        if d["count"] > _SHOWN:
+            lines.append(f"{'':<{w0}}  ... {d['count'] - _SHOWN} more in {file}")
     if folder is not None:
         lines.append(f"{'results':<{w0}}  {folder}")
     return "\n".join(lines)
@@ -784,38 +893,46 @@ def markdown_report(figures: dict[str, Any]) -> str:
     """``compare.md``: what was run, the side-by-side figures, the diverging
     requests, the reproducers, the figure, and (last) the wall-clock timings."""
     sc = figures["scenario"]
+    names = compare_logics(figures)
     over = ", ".join(f"`{o}`" for o in sc.get("overrides", [])) or "none"
+    each = [f"`\"{lg}\"` ({_VLLM[lg]}) in `{lg}/`" for lg in names]
+    each[0] = f"`window_logic = {each[0][1:]}"
     out = [f"# kvsim compare: {sc['name']}", "",
-           f"Scenario `{sc['source']}` (seed {sc['seed']}; overrides: {over}), run twice with the same "
-           f"requests: `window_logic = \"old\"` (vLLM 0.29.0) in `old/` and `\"new\"` (vLLM 0.30.0) in "
-           f"`new/`.", "", f"{sc.get('describe', '')}", ""]
+           f"Scenario `{sc['source']}` (seed {sc['seed']}; overrides: {over}), run "
+           f"{'twice' if len(names) == 2 else 'three times'} with the same requests: "
+           f"{', '.join(each[:-1])}{',' if len(names) > 2 else ''} and {each[-1]}.", "",
+           f"{sc.get('describe', '')}", ""]
     if figures["status"] != "ok":
-        for lg in LOGICS:
+        for lg in names:
             f = figures["runs"][lg]
             if f["status"] != "ok":
                 out += [f"**The {lg.upper()} run failed**: {_md(str(f.get('error')))} "
                         f"(see `{lg}/summary.json`).", ""]
-    out += ["## Figures", "", "| | OLD | NEW |", "| --- | --- | --- |"]
-    out += [f"| {_md(a)} | {_md(b)} | {_md(c)} |" for a, b, c in _rows(figures)]
-    d = figures["diverged"]
-    out += ["", "## Diverging requests", "",
-            f"{d['count']} of {d['requests']} requests have a different outcome "
-            f"(status, crash, CPU hit or reload, computed tokens, deferrals, first token or finish "
-            f"time); all of them in `diverged.parquet`."]
-    if d["count"] and "outcome" in d:
-        out += ["", f"{d['outcome']} differ in outcome (crash, status, CPU hit or reload, deferrals, "
-                    f"computed tokens) and {d['timing_only']} in timing only (a knock-on effect of the "
-                    f"others on the shared engine); the table lists outcome differences first."]
-    if d["first"]:
-        shown = "" if d["count"] <= len(d["first"]) else \
-            f" (the first {len(d['first'])}: outcome differences first, each part by arrival)"
-        out += ["", f"| request | how{shown} |", "| --- | --- |"]
-        out += [f"| {_md(x['req_id'])} | {_md(x['how'])} |" for x in d["first"]]
+    out += ["## Figures", "", f"| |{''.join(f' {lg.upper()} |' for lg in names)}",
+            f"| --- |{' --- |' * len(names)}"]
+    out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in _rows(figures)]
+    out += ["", "## Diverging requests"]
+    pairs = _pairs(figures)
+    for first, other, d, file in pairs:
+        if len(pairs) > 1:
+            out += ["", f"### {first.upper()} vs {other.upper()}"]
+        out += ["", f"{d['count']} of {d['requests']} requests have a different outcome "
+                    f"(status, crash, CPU hit or reload, computed tokens, deferrals, first token or finish "
+                    f"time); all of them in `{file}`."]
+        if d["count"] and "outcome" in d:
+            out += ["", f"{d['outcome']} differ in outcome (crash, status, CPU hit or reload, deferrals, "
+                        f"computed tokens) and {d['timing_only']} in timing only (a knock-on effect of the "
+                        f"others on the shared engine); the table lists outcome differences first."]
+        if d["first"]:
+            shown = "" if d["count"] <= len(d["first"]) else \
+                f" (the first {len(d['first'])}: outcome differences first, each part by arrival)"
+            out += ["", f"| request | how{shown} |", "| --- | --- |"]
+            out += [f"| {_md(x['req_id'])} | {_md(x['how'])} |" for x in d["first"]]
     out += ["", "## Reproducers", ""]
     reps = figures.get("reproducers", {})
-    if not any(reps.get(lg) for lg in LOGICS):
+    if not any(reps.get(lg) for lg in names):
         out.append("No run wrote a reproducer (no modelled crash or hazard).")
-    for lg in LOGICS:
+    for lg in names:
         items = reps.get(lg, [])
         if not items:
             continue
@@ -840,13 +957,15 @@ def markdown_report(figures: dict[str, Any]) -> str:
                     row += f" {yes[v.get('holds')]} | {yes[v.get('reproduces')]} |"
             out.append(row)
         out.append("")
-    out += ["", "![OLD vs NEW: modelled failures, tokens loaded from the CPU cache, TTFT](compare.png)", ""]
+    out += ["", f"![{' vs '.join(lg.upper() for lg in names)}: modelled failures, tokens loaded from the "
+                f"CPU cache, TTFT](compare.png)", ""]
     tm = figures.get("timing", {})
     if tm:
         out += ["## Timing", "",
                 "Wall clock (the only part of this report that differs between two compares of the same "
                 "scenario and seed): "
-                + ", ".join(f"{lg.upper()} {tm.get(f'{lg}_wall_clock_s', 0):.2f} s" for lg in LOGICS)
-                + f", both {tm.get('wall_clock_s', 0):.2f} s with {tm.get('jobs')} "
+                + ", ".join(f"{lg.upper()} {tm.get(f'{lg}_wall_clock_s', 0):.2f} s" for lg in names)
+                + f", {'both' if len(names) == 2 else 'all'} {tm.get('wall_clock_s', 0):.2f} s with "
+                + f"{tm.get('jobs')} "
                 + ("process" if tm.get("jobs") == 1 else "processes") + ".", ""]
     return "\n".join(out).rstrip() + "\n"

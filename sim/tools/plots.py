@@ -79,6 +79,7 @@ __all__ = [
     "POLICY_COLOURS",
     "STATE_COLOURS",
     "STYLE",
+    "compare_folder_logics",
     "folder_kind",
     "hit_rate_vs_cpu",
     "knee",
@@ -121,7 +122,7 @@ STYLE: dict[str, Any] = {
 #: colour of each eviction policy (sweeps)
 POLICY_COLOURS: dict[str, str] = {"lru": "#1f77b4", "arc": "#ff7f0e"}
 #: colour of each window logic (compare)
-LOGIC_COLOURS: dict[str, str] = {"old": "#d62728", "new": "#2ca02c"}
+LOGIC_COLOURS: dict[str, str] = {"old": "#d62728", "new": "#2ca02c", "latest": "#1f77b4"}
 #: colour of each link direction
 LINK_COLOURS: dict[str, str] = {"h2d": "#9467bd", "d2h": "#8c564b"}
 #: colour of each CPU chunk state (occupancy)
@@ -140,7 +141,7 @@ _DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (8, 2, 2, 2, 2, 2)), (0, (
                             (0, (6, 2, 1, 2, 1, 2)))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
-_LOGIC_NAMES = {"old": "OLD (vLLM 0.29.0)", "new": "NEW (vLLM 0.30.0)"}
+_LOGIC_NAMES = {"old": "OLD (vLLM 0.29.0)", "new": "NEW (vLLM 0.30.0)", "latest": "LATEST (vLLM 0.33.0)"}
 _GIB = float(1 << 30)
 
 P = ParamSpec("P")
@@ -508,17 +509,19 @@ def ttft_cdf(runs: Sequence[RunResults | str | Path] | RunResults | str | Path,
 @_styled
 def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None,
                figures: dict[str, Any] | None = None) -> Figure:
-    """OLD (left) against NEW (right) on shared axes: the figure ``compare.png``.
+    """OLD (left) against NEW (right), or one column per logic of a compare of two or
+    three logics (``kvsim compare --logics``), on shared axes: the figure ``compare.png``.
 
     Rows: modelled crashes, hazards and integrity violations over time
     (cumulative count); tokens loaded from the CPU cache over time (cumulative,
     CPU hits at first admission and reloads after preemption); TTFT CDF (the
-    other logic drawn thin and grey for reference).
+    other logic drawn thin and grey for reference; with three logics the
+    others thin and dashed in their own colours).
 
     Args:
         compare: a compare folder (``kvsim compare``).
-        runs: the two runs already read (``{"old": ..., "new": ...}``); read
-            from ``compare/old`` and ``compare/new`` when omitted.
+        runs: the runs already read (``{"old": ..., "new": ...}``, in report order);
+            read from the compare's run folders when omitted.
         figures: ``compare.json`` already read; read from the folder when omitted.
     """
 
@@ -526,17 +529,20 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
     folder = Path(compare)
     if figures is None:
         figures = json.loads((folder / "compare.json").read_text(encoding="utf-8"))
+    names = compare_folder_logics(figures)
     if runs is None:
-        runs = {lg: load_results(folder / lg) for lg in ("old", "new")}
+        runs = {lg: load_results(folder / lg) for lg in names}
     sc = figures.get("scenario", {})
     copy_path = bool(sc.get("copy_path"))
-    fig = _figure(11.0, 8.6)
-    axes = fig.subplots(3, 2, sharex="row", sharey="row")
-    ttft = {lg: _ttft_s(runs[lg].requests) for lg in ("old", "new")}
-    end_t = max(float(runs[lg].summary.get("sim_time_s") or 0.0) for lg in ("old", "new")) or 1.0
+    ncols = len(names)
+    fig = _figure(11.0 if ncols == 2 else 5.5 * ncols, 8.6)
+    axes = fig.subplots(3, ncols, sharex="row", sharey="row")
+    ttft = {lg: _ttft_s(runs[lg].requests) for lg in names}
+    end_t = max(float(runs[lg].summary.get("sim_time_s") or 0.0) for lg in names) or 1.0
     kinds = (("crash", "crashes"), ("hazard", "hazards"), ("integrity", "integrity violations"))
     top_count = 1
-    for col, lg in enumerate(("old", "new")):
+    top_tokens = 0.0  # millions: the shared row's limit was frozen by the first column's set_ylim
+    for col, lg in enumerate(names):
         res = runs[lg]
         ax = axes[0][col]
         ev = res.events
@@ -573,6 +579,7 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
                 ts, vals = np.empty(0), np.empty(0)
             cum = np.cumsum(vals) / 1e6
             total = float(vals.sum())
+            top_tokens = max(top_tokens, total / 1e6)
             ax.step(np.concatenate([[0.0], ts, [end_t]]), np.concatenate([[0.0], cum, [total / 1e6]]),
                     where="post", color=colour, label=f"{name}: {int(total):,} tokens")
         if not len(req) or int(req["cpu_hit_tokens"].sum() + req["cpu_reload_tokens"].sum()) == 0:
@@ -584,31 +591,46 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
         ax.legend(loc="upper left")
 
         ax = axes[2][col]
-        other = "new" if lg == "old" else "old"
-        _draw_cdf(ax, ttft[other], color="#b0b0b0", linewidth=1.0, linestyle="--",
-                  label=f"{other.upper()} (for reference)")
+        for other in names:
+            if other != lg:
+                _draw_cdf(ax, ttft[other], color="#b0b0b0" if ncols == 2 else LOGIC_COLOURS[other],
+                          linewidth=1.0, linestyle="--", label=f"{other.upper()} (for reference)")
         xs = ttft[lg]
         _draw_cdf(ax, xs, color=LOGIC_COLOURS[lg],
                   label=f"{lg.upper()}: {_n(len(xs), 'request')}{_p50_text(xs)}")
         _cdf_axes(ax, list(ttft.values()))
         ax.set_title(f"{_LOGIC_NAMES[lg]}: TTFT distribution")
         ax.legend(loc="lower right")
-    for col in range(2):
+    if top_tokens > axes[1][0].get_ylim()[1]:  # a later column loaded more than the limit shows
+        axes[1][0].set_ylim(0, top_tokens * 1.05)
+    for col in range(ncols):
         axes[0][col].set_ylim(0, top_count * 1.15)
         axes[0][col].yaxis.set_major_locator(_int_locator())
         for row in range(3):
             axes[row][col].tick_params(labelleft=True)
     div = figures.get("diverged", {})
-    base = runs["new"].scenario or runs["old"].scenario
-    head = run_title(base, logic="OLD vs NEW logic")
-    if "outcome" in div:
-        differ = f"{div['outcome']} with a different outcome, {div['timing_only']} in timing only"
-    else:  # a compare.json written before the split
-        differ = f"{div.get('count', '?')} diverging"
-    notes = [f"{lg.upper()} {st}" for lg in ("old", "new")
+    base = runs[names[1]].scenario or runs[names[0]].scenario
+    head = run_title(base, logic=f"{' vs '.join(lg.upper() for lg in names)} logic")
+    pairs = [(names[1], div), *((lg, figures.get("diverged_pairs", {}).get(f"{names[0]}-{lg}", {}))
+                                for lg in names[2:])]
+    differ = []
+    for lg, d in pairs:
+        if "outcome" in d:
+            text = f"{d['outcome']} with a different outcome, {d['timing_only']} in timing only"
+        else:  # a compare.json written before the split
+            text = f"{d.get('count', '?')} diverging"
+        differ.append(text if ncols == 2 else f"{names[0].upper()} vs {lg.upper()}: {text}")
+    notes = [f"{lg.upper()} {st}" for lg in names
              if (st := run_status(runs[lg].summary)) is not None]
-    fig.suptitle("\n".join([f"{head}", f"same {div.get('requests', '?')} requests, {differ}", *notes]))
+    fig.suptitle("\n".join([f"{head}", f"same {div.get('requests', '?')} requests, {'; '.join(differ)}",
+                             *notes]))
     return fig
+
+
+def compare_folder_logics(figures: dict[str, Any]) -> tuple[str, ...]:
+    """The logics of a compare folder, in report order, from its ``compare.json``
+    (key ``logics``; absent: OLD and NEW)."""
+    return tuple(figures.get("logics") or ("old", "new"))
 
 
 def _int_locator() -> Any:
@@ -1159,11 +1181,14 @@ def _draw_all(src: Path, kind: str, put: Callable[[str, Figure], None],
         put("link_utilisation.png", link_utilisation(run))
         put("ttft_cdf.png", ttft_cdf(run))
     elif kind == "compare":
-        runs = {lg: load_results(src / lg) for lg in ("old", "new")}
-        put("old_vs_new.png", old_vs_new(src, runs=runs))
-        put("ttft_cdf.png", ttft_cdf([runs["old"], runs["new"]], [_LOGIC_NAMES["old"], _LOGIC_NAMES["new"]],
-                                     title=run_title(runs["new"].scenario, logic="OLD vs NEW logic")))
-        for lg in ("old", "new"):
+        figures = json.loads((src / "compare.json").read_text(encoding="utf-8"))
+        names = compare_folder_logics(figures)
+        runs = {lg: load_results(src / lg) for lg in names}
+        put("old_vs_new.png", old_vs_new(src, runs=runs, figures=figures))
+        vs = f"{' vs '.join(lg.upper() for lg in names)} logic"
+        put("ttft_cdf.png", ttft_cdf([runs[lg] for lg in names], [_LOGIC_NAMES[lg] for lg in names],
+                                     title=run_title(runs[names[1]].scenario, logic=vs)))
+        for lg in names:
             put(f"{lg}-occupancy.png", occupancy(runs[lg]))
             put(f"{lg}-link_utilisation.png", link_utilisation(runs[lg]))
     else:
