@@ -4,7 +4,8 @@ What it writes
     * a run folder: ``<table>.csv`` beside each ``<table>.parquet``, and
       ``summary.csv`` (one row: :func:`sim.summaries` of the folder, the columns
       of ``sweep.parquet``);
-    * a compare folder: ``diverged.csv``, and both run folders (``old/``, ``new/``) as above;
+    * a compare folder: ``diverged*.csv`` (one per compared pair), and every logic's run
+      folder (``old/``, ``new/``, ``latest/``) as above;
     * a sweep folder: ``sweep.csv`` (the table as :func:`sim.load_sweep` reads it,
       an older folder's columns renamed); with ``points``, every point's folder as above.
 
@@ -87,9 +88,9 @@ def export_folder(folder: str | Path, fmt: str = "csv", points: bool = False) ->
     if kind == "run":
         jobs = _run(root)
     elif kind == "compare":
-        if (root / "diverged.parquet").is_file():
-            jobs.append((root / "diverged.csv", _parquet(root / "diverged.parquet")))
-        for logic in ("old", "new"):
+        for diverged in sorted(root.glob("diverged*.parquet")):   # diverged.parquet, diverged-<a>-<b>.parquet
+            jobs.append((diverged.with_suffix(".csv"), _parquet(diverged)))
+        for logic in ("old", "new", "latest"):
             if (root / logic / "summary.json").is_file():
                 jobs += _run(root / logic)
     else:
