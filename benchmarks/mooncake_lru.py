@@ -9,17 +9,19 @@ chunks, no GPU prefix cache, zero compute and transfer time, LRU.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.test_mooncake_lru import CAPACITIES, engine_lru_hit_ratio, reference_row
+from tests.tools.test_mooncake_lru import CAPACITIES, engine_lru_hit_ratio, reference_row
 
 
 def main() -> None:
-    default = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    shared = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    default = Path(os.environ.get("KVSIM_TRACES") or shared)
     traces = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     ref = reference_row(traces / "README.md")
     print("| capacity (chunks) | exact LRU (README) | kvsim engine | difference (pp) | wall s |")

@@ -1327,8 +1327,9 @@ def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, u
                 force: bool = False, timeout_s: float = 60.0) -> tuple[Path, bool]:
     """Download a known trace into the cache folder; returns ``(path, downloaded)``.
 
-    A cached copy that matches the published digests is reused (``downloaded``
-    False) unless ``force``. The download streams into a temporary file in the
+    A copy in ``$KVSIM_TRACES`` (without ``cache_dir``) or in the cache that
+    matches the published digests is reused (``downloaded`` False) unless
+    ``force``. The download streams into a temporary file in the
     cache folder, is checked against the published sha256 and git blob id
     (whichever are known) and only then renamed into place.
 
@@ -1341,6 +1342,10 @@ def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, u
         raise InputError(name, "", "unknown trace name", ", ".join(KNOWN_TRACES))
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = folder / spec.filename
+    env = os.environ.get(TRACES_ENV)
+    local = Path(env) / spec.filename if env and cache_dir is None else None
+    if local is not None and local.is_file() and not force and _digest_problem(local, spec) is None:
+        return local, False     # $KVSIM_TRACES already holds a matching copy: nothing to download
     if target.is_file() and not force:
         problem = _digest_problem(target, spec)
         if problem is None:

@@ -13,7 +13,7 @@ import pytest
 from sim.cli import main
 from sim.errors import InputError
 from sim.io import traces
-from sim.io.traces import KNOWN_TRACES, BadLines, detect_format, iter_records, trace_stats
+from sim.io.traces import KNOWN_TRACES, BadLines, detect_format, fetch_trace, iter_records, trace_stats
 from sim.io.workload import iter_mooncake, iter_trace
 
 CONV = KNOWN_TRACES["mooncake-conversation"].filename  # conversation_trace.jsonl
@@ -207,3 +207,14 @@ def test_run_where_every_line_is_skipped_exits_2(tmp_path: Path, capsys: pytest.
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and str(trace) in lines[0] and "no requests" in lines[0]
+
+
+def test_fetch_reuses_a_matching_copy_in_kvsim_traces(traces_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, with the trace already in $KVSIM_TRACES, ``kvsim trace fetch`` succeeds
+    without downloading (the README's "fetch it first" step)."""
+    monkeypatch.setenv("KVSIM_TRACES", str(traces_dir))
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path / "cache"))
+    path, downloaded = fetch_trace("mooncake-conversation", url="http://127.0.0.1:9/unreachable")
+    assert (path, downloaded) == (traces_dir / "conversation_trace.jsonl", False)
+    assert not (tmp_path / "cache").exists()
