@@ -22,7 +22,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NoReturn, cast
 
 from tqdm import tqdm
 
@@ -686,10 +686,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvsim CMD: error: ...; see kvsim CMD --help`` (exit 2),
+    instead of the usage block and the error (every subcommand's parser is one too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvsim",
-        description="Simulator of vLLM's multi-group KV-cache CPU offloading (OLD 0.29 vs NEW 0.30).")
+        description="Simulator of vLLM's multi-group KV-cache CPU offloading "
+                    "(OLD 0.29, NEW 0.30, LATEST 0.33).")
     parser.add_argument("--version", action="version", version=f"kvsim {kvsim_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -59,3 +59,14 @@ def test_counts_agree_with_their_noun(tmp_path: Path, capsys: pytest.CaptureFixt
                    + "\n", encoding="utf-8")
     assert main(["trace", "convert", str(src), str(tmp_path / "one.csv")]) == 0
     assert "wrote 1 record to" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["check", "x.toml", "--logic", "newest"], ["trace", "stats"],
+                                  ["run", "x.toml", "--jobs", "3"], ["sweep"], ["plot"]])
+def test_command_line_errors_are_one_line(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(args)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("kvsim") and ": error: " in err and "--help" in err
