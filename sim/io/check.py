@@ -307,6 +307,10 @@ def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int],
     if local >= sc.num_tokens or any(local % g.tokens_per_block for g in sc.groups):
         raise InputError(source, "gpu_computed_tokens", f"{local}",
                          f"below num_tokens={sc.num_tokens} and a multiple of every tokens_per_block")
+    if local and not sc.prefix_caching:
+        raise InputError(source, "gpu_computed_tokens", f"{local} with prefix_caching = false "
+                         "(a local GPU hit needs the GPU prefix cache)",
+                         "0 when prefix_caching = false, or prefix_caching = true")
     return out
 
 
@@ -380,7 +384,8 @@ def _check_chunk_states(sc: CheckScenario, source: str) -> None:
         cap = sc.cpu_capacity_chunks
         local = sc.gpu_computed_tokens
         if ((cap is None or stated <= cap) and local < sc.num_tokens
-                and not any(local % g.tokens_per_block for g in sc.groups)):
+                and not any(local % g.tokens_per_block for g in sc.groups)
+                and (sc.prefix_caching or not local)):
             return
     expand_chunk_states(sc, source)   # raises the located error
 

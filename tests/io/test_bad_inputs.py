@@ -345,3 +345,15 @@ def test_g_errors_caused_by_set_name_set(tmp_path: Path, capsys: pytest.CaptureF
     line = one_line(err, f"kvsim: error: --set:{key}: ")
     assert str(f) not in line
     assert not out.exists()
+
+
+def test_local_hit_without_prefix_caching_is_refused(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # a GPU hit needs the GPU prefix cache: this once reached the model and raised there
+    f = tmp_path / "c.toml"
+    f.write_text('schema = "check/1"\ntokens_per_hash = 16\nnum_tokens = 64\n'
+                 'groups = [{kind = "full", tokens_per_block = 16}]\n'
+                 'gpu_computed_tokens = 32\nprefix_caching = false\n', encoding="utf-8")
+    code, _, err = run(["check", str(f)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "gpu_computed_tokens" in err and "prefix_caching" in err
