@@ -690,7 +690,10 @@ class OffloadingScheduler:
                 if st.store_quiet:
                     break
                 ids = st.block_ids[g]
-                for i in self._zero_range(st, g):
+                rng = self._zero_range(st, g)
+                if allocated.isdisjoint(ids[rng.start : rng.stop]):   # the common case, at C speed
+                    continue
+                for i in rng:
                     if ids[i] in allocated:
                         ids[i] = NULL_BLOCK_ID
 
@@ -759,6 +762,13 @@ class OffloadingScheduler:
         if tokens_after_step is None:
             tokens_after_step = self.profile.finished_store_tokens(req.num_prompt_tokens, req.num_tokens)
         tokens = self._offloadable(st, tokens_after_step)
+        if self.cpu.never_stores:   # a 0-slot cache: every offer is refused; only whether one is made counts
+            if self._offers_any(st, tokens):
+                self.store_rejections += 1
+            else:
+                self._advance(st, tokens)
+                self._check_quiet(st)
+            return None
         offered, ranges = self._offer_chunks(st, tokens)
         if not offered:
             self._advance(st, tokens)
@@ -802,6 +812,35 @@ class OffloadingScheduler:
             if n > start:
                 offered.extend(self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g]))
         return offered, ranges
+
+    def _offers_any(self, st: _ReqState, tokens: int) -> bool:
+        """``bool(self._offer_chunks(st, tokens)[0])``, stopping at the first
+        offered chunk (a 0-slot cache refuses every offer, so nothing else of
+        the offer matters). Full-attention groups are asked first where the
+        order cannot matter (the profile caps storable chunks by keys, so no
+        group's scan can raise)."""
+        prompt_tokens = self._offloadable(st, st.req.num_prompt_tokens)
+        bpc = self.layout.blocks_per_chunk
+        order = sorted(range(len(self._groups)), key=lambda g: self._w[g] is not None) \
+            if self.profile.caps_storable_by_keys else range(len(self._groups))
+        for g in order:
+            n = self._storable(st, g, tokens)
+            start = st.next_stored[g]
+            if n <= start:
+                continue
+            last_ids = st.block_ids[g][start * bpc + bpc - 1 : n * bpc : bpc]
+            if len(last_ids) != len(st.keys[g][start:n]):
+                self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g])   # raises, as there
+            if self._w[g] is None:
+                if any(bid != NULL_BLOCK_ID for bid in last_ids):
+                    return True
+                continue
+            mask = self.profile.reachable_chunks(
+                self.layout, g, self.eagle[g], start, n, n,
+                self._store_horizon(st, g, n, prompt_tokens // self._tpc[g]), st.block_ids[g])
+            if any(bid != NULL_BLOCK_ID and (mask is None or mask[k]) for k, bid in enumerate(last_ids)):
+                return True
+        return False
 
     def _reachable_keys(self, st: _ReqState, g: int, start: int, n: int,
                         prompt_chunks: int) -> list[OffloadKey]:

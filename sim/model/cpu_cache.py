@@ -624,6 +624,12 @@ class CpuChunkCache:
         return self._capacity
 
     @property
+    def never_stores(self) -> bool:
+        """No slot and no offer counting: :meth:`prepare_store` of any key not
+        stored answers None (no room) and changes nothing."""
+        return self._capacity == 0 and self._offers is None
+
+    @property
     def policy(self) -> EvictionPolicy:
         """The replacement policy in use."""
         return self._policy_kind
