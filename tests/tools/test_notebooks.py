@@ -4,20 +4,24 @@ Each notebook is executed with nbclient on the ``python3`` kernel (ipykernel) in
 mode (``KVSIM_NOTEBOOK_SMALL=1``: tiny inputs), started in ``notebooks/`` as Jupyter
 would; its results go to a temporary folder (``KVSIM_NOTEBOOK_RESULTS``). Besides "no
 cell raised", each notebook writes ``key_numbers.json`` and the test checks those numbers
-against facts that hold whatever the simulator's exact figures: the knee is a swept size,
-the per-request rows add up to the summary, the crash library has OLD crashes, and the
-MTP compare (on ``../shared/traces``, which must exist in CI) crashes under both logics.
+against facts that hold whatever the simulator's exact figures: notebook 01 (the planner's
+sweep, on ``../shared/traces``, which must exist in CI) reports every overloaded point, never
+recommends from one, and its recommended size meets the target at the chosen percentile; the
+per-request rows add up to the summary; the crash library has OLD crashes; the MTP compare
+crashes under both logics; and each notebook ends with a takeaway computed from its numbers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import sim
 from tests.helpers import ROOT, TRACES
 
 NOTEBOOKS = ROOT / "notebooks"
@@ -60,25 +64,62 @@ def test_committed_notebooks_have_no_outputs(path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebooks_use_the_public_api_only(path: Path) -> None:
-    import re
-
     nb = json.loads(path.read_text(encoding="utf-8"))
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     assert not re.search(r"\bsim(\.\w+)*\._\w", code), "a private sim name"
     assert not re.search(r"from sim[\w.]* import[^\n]*\b_\w", code), "a private sim name"
 
 
+def _code_cells(name: str) -> list[str]:
+    nb = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def test_01_takes_its_question_from_the_parameters_cell_only() -> None:
+    cells = _code_cells("01_capacity_planning")
+    for name in ("TTFT_PERCENTILE", "TTFT_TARGET_S", "SWEEP_FILE"):
+        assigned = [i for i, src in enumerate(cells) if re.search(rf"^\s*{name}\s*=", src, re.MULTILINE)]
+        assert assigned == [0], f"{name} is set outside the parameters cell (cells {assigned})"
+    sweep_file = re.search(r'^SWEEP_FILE = "([^"]+)"', cells[0], re.MULTILINE)
+    assert sweep_file and sweep_file.group(1) == "scenarios/whatif/planner-llama70b-h100-mooncake.toml"
+    assert (ROOT / sweep_file.group(1)).is_file()
+
+
 @pytest.mark.slow
-def test_01_capacity_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_01_capacity_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, traces_dir: Path) -> None:
     nb, k = _execute("01_capacity_planning", tmp_path, monkeypatch)
-    assert k["small"] and k["failed"] == 0 and k["points"] == 12
-    assert k["sizes_gib"] == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0]
-    assert set(k["knee_gib"]) == {"LRU", "ARC"}
-    for policy in ("LRU", "ARC"):
-        assert k["knee_gib"][policy] in k["sizes_gib"]
-        rec = k["recommended_gib"][policy]
-        assert rec is None or rec in k["sizes_gib"]
-        assert 0 < k["cpu_hit_rate"][policy] < 1
+    # SMALL: the planner sweep's --smoke form (4 points of 100 requests), judged on p50 <= 3 s
+    assert k["small"] and k["failed"] == 0 and k["points"] == 4 and k["verdict_known"]
+    assert k["ttft_percentile"] == "p50" and k["target_ttft_s"] == 3.0
+    assert k["target_drawn"] == {"x_s": 3.0, "quantile": 0.5}          # the target is on the TTFT CDF figure
+    assert k["group_keys"] == ["workload.rate_scale"]   # the second swept key is never averaged
+    assert k["sizes_gib"] == [0.0, 1536.0]
+    table = sim.load_sweep(k["sweep_dir"]).table.set_index("point")
+    overloaded = sorted(int(p) for p in table.index[table["overloaded"].astype(bool)])
+    assert overloaded and k["overloaded_points"] == overloaded        # the real rate overloads the replica
+    metric = f"ttft_s_{k['ttft_percentile']}"
+    recommended = 0
+    for config, c in k["configs"].items():
+        assert sorted(c["overloaded_points"] + c["stable_points"]) == sorted(
+            int(p) for p in table.index[table["workload.rate_scale"].astype(str) == config.split(" = ")[1]])
+        if not c["stable_points"]:
+            assert c["recommended_gib"] is None                      # all overloaded: no answer
+        if c["recommended_gib"] is None:
+            continue
+        recommended += 1
+        assert c["recommended_points"]
+        for p in c["recommended_points"]:
+            assert not table.loc[p, "overloaded"]                     # never from an overloaded point
+            assert table.loc[p, metric] <= k["target_ttft_s"]         # and it meets the target
+            assert table.loc[p, "cpu_cache_bytes"] / 2**30 == c["recommended_gib"]
+        for p in c["stable_points"]:                                  # so does every larger stable size
+            if table.loc[p, "cpu_cache_bytes"] / 2**30 >= c["recommended_gib"]:
+                assert table.loc[p, metric] <= k["target_ttft_s"]
+    assert recommended >= 1
+    answer = k["answer"]
+    for p in overloaded:                                              # the answer names each one, and why
+        assert f"point {p} (" in answer
+    assert "not considered" in answer and "rejected" in answer and "among stable points" in answer
     assert _images(nb) == 2  # hit rate vs CPU RAM, TTFT CDFs
     assert (tmp_path / "01_capacity_planning" / "hit_rate_vs_cpu.png").is_file()
 
@@ -92,6 +133,9 @@ def test_02_one_run_in_depth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert all(q >= 0 for q in k["max_queue_s"].values())
     assert sum(k["ttft_parts_mean_ms"].values()) == pytest.approx(k["ttft_mean_ms"], rel=1e-9)
     assert _images(nb) >= 5  # hits, transfers, queueing, occupancy, link utilisation
+    takeaway = k["takeaway"]                                          # computed, not hand-written
+    assert f"{k['cpu_hit_rate_summary']:.1%}" in takeaway and f"mean {k['ttft_mean_ms']:.0f} ms" in takeaway
+    assert "**stable**" in takeaway or "**overloaded**" in takeaway
 
 
 @pytest.mark.slow
@@ -117,3 +161,9 @@ def test_03_old_vs_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     else:
         assert k["mtp"] is None
     assert _images(nb) >= 1 + have_traces
+    takeaway = k["takeaway"]                                          # computed, not hand-written
+    assert f"OLD crashes in {lib['old_crashes']}, NEW in {lib['new_crashes']}" in takeaway
+    if have_traces:
+        assert all(isinstance(v, bool) for v in mtp["overloaded"].values())
+        if any(mtp["overloaded"].values()):                            # docs/metrics.md: compare decisions
+            assert "**overloaded**" in takeaway and "not on TTFT" in takeaway
