@@ -989,7 +989,8 @@ def hit_rate_vs_cpu(sweep: Any) -> Figure:
         if seeds:
             title = (title + "\n" if title else "") + "mean of seeds (band: min..max)"
         handles = [ln for ln in axes[0].get_lines() if not ln.get_label().startswith("_")]
-        fig.legend(handles=handles, loc="outside right upper", title=title or None)
+        handles.sort(key=lambda ln: ln.get_gid() == "overloaded")   # the overload mark last
+        fig.legend(handles=handles, loc="outside right center", title=title or None)
     fig.suptitle(_sweep_title(df, sweep_name, "CPU hit rate and recompute saved vs CPU cache size"
                               + ("" if annotate or not series else " (ring: knee)"), keys, skipped))
     return fig
