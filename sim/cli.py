@@ -26,6 +26,7 @@ from typing import Any, Literal, NoReturn, cast
 
 from tqdm import tqdm
 
+import sim.startup  # noqa: F401 -- first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, scenario_outcomes, summarize
 from sim.io.results import (

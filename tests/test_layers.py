@@ -27,12 +27,13 @@ RANK = {
     "io": 3,
     "tools": 4,
     "cli": 5,
+    "startup": 5,
     "compare": 5,
     "plots": 5,
     "__init__": 5,
 }
 #: modules nothing inside sim may import
-TOP_ONLY = {"cli", "compare", "plots", "__init__"}
+TOP_ONLY = {"cli", "compare", "plots", "__init__", "startup"}
 
 
 def _part(module: str) -> str:

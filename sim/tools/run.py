@@ -119,6 +119,7 @@ def worker_init(parent_pid: int) -> None:
     that the parent is still the same process and ends this one otherwise.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # whatever importing the command line installed
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)

@@ -191,3 +191,13 @@ def test_sigkill_on_compare_leaves_no_worker_and_the_next_command_cleans_up(
     result = kvsim("run", str(DEFAULT), "--out", str(tmp_path / "next"), *SMALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert hidden(tmp_path) == []  # ... and removed by the next one writing beside it
+
+
+def test_a_signal_while_starting_ends_in_one_line() -> None:
+    """SIGTERM before ``main`` runs (during the heavy imports) still ends in one line:
+    ``sim.cli`` imports ``sim.startup`` first."""
+    code = ("import os, signal, time\nimport sim.startup\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(10)\n")
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 143
+    assert p.stderr == "kvsim: interrupted (SIGTERM) while starting; nothing written\n"
