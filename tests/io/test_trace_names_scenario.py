@@ -100,5 +100,5 @@ def test_shipped_scenarios_name_their_traces() -> None:
     assert shipped == []
     named = [p for p in (ROOT / "scenarios").rglob("*.toml")
              if 'trace = "mooncake-conversation"' in p.read_text()]
-    assert len(named) == 4
+    assert len(named) >= 5   # the Mooncake scenarios, the what-ifs and the planner sweep
     assert all(tomllib.loads(p.read_text()) for p in named)
