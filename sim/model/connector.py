@@ -820,7 +820,6 @@ class OffloadingScheduler:
         order cannot matter (the profile caps storable chunks by keys, so no
         group's scan can raise)."""
         prompt_tokens = self._offloadable(st, st.req.num_prompt_tokens)
-        bpc = self.layout.blocks_per_chunk
         order = sorted(range(len(self._groups)), key=lambda g: self._w[g] is not None) \
             if self.profile.caps_storable_by_keys else range(len(self._groups))
         for g in order:
@@ -828,25 +827,18 @@ class OffloadingScheduler:
             start = st.next_stored[g]
             if n <= start:
                 continue
-            last_ids = st.block_ids[g][start * bpc + bpc - 1 : n * bpc : bpc]
-            if len(last_ids) != len(st.keys[g][start:n]):
+            keys, last_ids, mask = self._reach(st, g, start, n, prompt_tokens // self._tpc[g])
+            if len(keys) != len(last_ids):
                 self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g])   # raises, as there
-            if self._w[g] is None:
-                if any(bid != NULL_BLOCK_ID for bid in last_ids):
-                    return True
-                continue
-            mask = self.profile.reachable_chunks(
-                self.layout, g, self.eagle[g], start, n, n,
-                self._store_horizon(st, g, n, prompt_tokens // self._tpc[g]), st.block_ids[g])
             if any(bid != NULL_BLOCK_ID and (mask is None or mask[k]) for k, bid in enumerate(last_ids)):
                 return True
         return False
 
-    def _reachable_keys(self, st: _ReqState, g: int, start: int, n: int,
-                        prompt_chunks: int) -> list[OffloadKey]:
-        """Keys of group ``g``'s chunks ``[start, n)`` worth storing: the chunk's
-        last block is real and, for a window group, the profile deems the chunk
-        reachable by a later lookup (store reachability, spec §7.3)."""
+    def _reach(self, st: _ReqState, g: int, start: int, n: int, prompt_chunks: int
+               ) -> tuple[list[OffloadKey], list[int], list[bool] | None]:
+        """Group ``g``'s chunks ``[start, n)``: their keys, the ids of their
+        last blocks, and the profile's store-reachability mask (None: all; full
+        attention has none)."""
         bpc = self.layout.blocks_per_chunk
         keys = st.keys[g][start:n]
         last_ids = st.block_ids[g][start * bpc + bpc - 1 : n * bpc : bpc]
@@ -855,6 +847,14 @@ class OffloadingScheduler:
             horizon = self._store_horizon(st, g, n, prompt_chunks)
             mask = self.profile.reachable_chunks(self.layout, g, self.eagle[g], start, n, n, horizon,
                                                  st.block_ids[g])
+        return keys, last_ids, mask
+
+    def _reachable_keys(self, st: _ReqState, g: int, start: int, n: int,
+                        prompt_chunks: int) -> list[OffloadKey]:
+        """Keys of group ``g``'s chunks ``[start, n)`` worth storing: the chunk's
+        last block is real and, for a window group, the profile deems the chunk
+        reachable by a later lookup (store reachability, spec §7.3)."""
+        keys, last_ids, mask = self._reach(st, g, start, n, prompt_chunks)
         return [key for k, (key, bid) in enumerate(zip(keys, last_ids, strict=True))
                 if bid != NULL_BLOCK_ID and (mask is None or mask[k])]
 
