@@ -87,3 +87,58 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+# -- processes (signal and orphan tests; Linux /proc) -------------------------------------------
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    st = proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = proc_stat(int(entry.name))
+            if st is not None and st[1] == pid and st[0] not in ("Z", "X"):
+                out.append(int(entry.name))
+    return out
+
+
+# -- small sweeps ------------------------------------------------------------------------------
+
+#: a sweep/1 base of seconds-long uniform runs on the hybrid-demo model (no [sweep] table)
+SWEEP_BASE = """schema = "sweep/1"
+name = "t"
+[model]
+name = "hybrid-demo"
+[hardware]
+gpu_kv_bytes = "1GiB"
+[cpu_cache]
+capacity = "1GiB"
+[scheduler]
+blocks_per_chunk = 4
+[workload]
+kind = "uniform"
+requests = 12
+input_tokens_min = 200
+input_tokens_max = 400
+output_tokens_min = 4
+output_tokens_max = 8
+"""
+#: the same, swept over the two eviction policies
+SWEEP_POLICIES = SWEEP_BASE + '[sweep]\ngrid = { "cpu_cache.policy" = ["lru", "arc"] }\n'

@@ -25,7 +25,7 @@ from sim.cli import main
 from sim.errors import InputError
 from sim.tools import fuzz
 from sim.tools.regress import write_junit
-from tests.helpers import ROOT
+from tests.helpers import ROOT, alive, children
 from tests.tools.test_plots import _sweep_row
 
 DEFAULT = ROOT / "scenarios" / "default.toml"
@@ -185,30 +185,6 @@ def test_write_junit_failure_is_one_line_and_leaves_no_temporary_file(tmp_path: 
 # -- 4. signals end every command with one line and no worker left --------------------------------------
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
-
-
-def _alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            st = _stat(int(entry.name))
-            if st is not None and st[1] == pid and st[0] not in ("Z", "X"):
-                out.append(int(entry.name))
-    return out
-
-
 def _catches_sigterm(pid: int) -> bool:
     """The process has a handler for SIGTERM (kvsim's main installed its own)."""
     with contextlib.suppress(OSError):
@@ -285,11 +261,11 @@ def test_signal_ends_any_command_with_one_line_and_no_worker(tmp_path: Path,
     procs.append(p)
     # ready: main's handlers are in place (and the pool's workers started); the command is busy for seconds
     deadline = time.monotonic() + 20
-    while not (_catches_sigterm(p.pid) and (not pool or _children(p.pid))) and time.monotonic() < deadline:
+    while not (_catches_sigterm(p.pid) and (not pool or children(p.pid))) and time.monotonic() < deadline:
         assert p.poll() is None, p.communicate()
         time.sleep(0.05)
     time.sleep(0.3)
-    workers = _children(p.pid)
+    workers = children(p.pid)
     assert p.poll() is None, "the command ended before the signal"
     if sig == signal.SIGINT:
         os.killpg(p.pid, sig)  # Ctrl-C: the whole foreground group, workers included
@@ -308,7 +284,7 @@ def test_signal_ends_any_command_with_one_line_and_no_worker(tmp_path: Path,
                     f"kvsim: interrupted ({sig.name}) while starting; nothing written"), line
     assert out == ""
     deadline = time.monotonic() + 10
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [w for w in workers if _alive(w)], "a worker survived the command"
+    assert not [w for w in workers if alive(w)], "a worker survived the command"
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no report, no fuzz folder

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, alive, children
 
 DEFAULT = ROOT / "scenarios" / "default.toml"
 #: a run of minutes: it is always interrupted long before its end
@@ -35,31 +35,6 @@ def kvsim(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "sim.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            st = _stat(int(entry.name))
-            if st is not None and st[1] == pid and st[0] not in ("Z", "X"):
-                out.append(int(entry.name))
-    return out
 
 
 def wait_until(cond: object, proc: subprocess.Popen[str], timeout: float = 30.0) -> None:

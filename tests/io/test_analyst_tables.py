@@ -20,31 +20,12 @@ from sim.engine.metrics import TABLES
 from sim.errors import InputError
 from sim.io.results import load_results
 from sim.tools.sweep import HEAD_COLUMNS, RESOLVED_COLUMNS, SweepResults, read_sweep, run_sweep
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SWEEP_POLICIES
 
 DEFAULT = ROOT / "scenarios" / "default.toml"
 SMALL = ["--set", "workload.sessions=10", "-q"]
 KEYS = ["run_id", "run_dir", "name", "run_status", *RESOLVED_COLUMNS]
-SWEEP = """schema = "sweep/1"
-name = "t"
-[model]
-name = "hybrid-demo"
-[hardware]
-gpu_kv_bytes = "1GiB"
-[cpu_cache]
-capacity = "1GiB"
-[scheduler]
-blocks_per_chunk = 4
-[workload]
-kind = "uniform"
-requests = 12
-input_tokens_min = 200
-input_tokens_max = 400
-output_tokens_min = 4
-output_tokens_max = 8
-[sweep]
-grid = { "cpu_cache.policy" = ["lru", "arc"] }
-"""
+SWEEP = SWEEP_POLICIES
 
 
 @pytest.fixture(scope="module")

@@ -20,31 +20,12 @@ from sim.cli import main
 from sim.io import results
 from sim.tools import plots as plots_mod
 from sim.tools import sweep as sweep_mod
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SWEEP_POLICIES
 
 DEFAULT = ROOT / "scenarios" / "default.toml"
 SMALL = ["--set", "workload.sessions=12", "--set", "workload.session_rate_per_s=4", "-q"]
 
-SWEEP = """schema = "sweep/1"
-name = "t"
-[model]
-name = "hybrid-demo"
-[hardware]
-gpu_kv_bytes = "1GiB"
-[cpu_cache]
-capacity = "1GiB"
-[scheduler]
-blocks_per_chunk = 4
-[workload]
-kind = "uniform"
-requests = 12
-input_tokens_min = 200
-input_tokens_max = 400
-output_tokens_min = 4
-output_tokens_max = 8
-[sweep]
-grid = { "cpu_cache.policy" = ["lru", "arc"] }
-"""
+SWEEP = SWEEP_POLICIES
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from sim.errors import InputError
 from sim.io.columns import flat_summary
 from sim.io.validate import validate_file
 from sim.tools.sweep import HEAD_COLUMNS, RESOLVED_COLUMNS, read_sweep, run_sweep
+from tests.helpers import SWEEP_BASE
 
 ROOT = Path(__file__).resolve().parents[2]
 WHATIF = ROOT / "scenarios" / "whatif"
@@ -36,24 +37,7 @@ METRICS = ("cpu_hit_rate", "gpu_hit_rate", "recompute_saved", "ttft_s_p50", "ttf
            "transfers_h2d_utilisation", "transfers_d2h_utilisation", "tokens_cpu_hit", "sim_time_s",
            "throughput_requests_per_s", "overloaded", "load_overloaded")
 
-BASE = """schema = "sweep/1"
-name = "t"
-[model]
-name = "hybrid-demo"
-[hardware]
-gpu_kv_bytes = "1GiB"
-[cpu_cache]
-capacity = "1GiB"
-[scheduler]
-blocks_per_chunk = 4
-[workload]
-kind = "uniform"
-requests = 12
-input_tokens_min = 200
-input_tokens_max = 400
-output_tokens_min = 4
-output_tokens_max = 8
-"""
+BASE = SWEEP_BASE
 
 
 def write(tmp: Path, text: str, name: str = "s.toml") -> Path:
