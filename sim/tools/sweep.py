@@ -442,6 +442,13 @@ def _run_points(sweep: Sweep, out: Path, report: SweepReport, finished: dict[int
             _run_pool(tasks, min(jobs or os.cpu_count() or 1, len(tasks)), done)
     except KeyboardInterrupt as exc:
         report.interrupted = signal_of(exc)
+        # a worker may have put a finished point in place just before the signal, unreported:
+        # the table lists every point folder a re-run would skip
+        for pt in todo:
+            summary = None if pt.index in report.summaries else _read_summary(out / "points" / pt.run_id)
+            if summary is not None and summary.get("status") == "ok":
+                report.summaries[pt.index] = summary
+                report.ran += 1
     write_table(sweep, report.summaries, out)
     report.failed = [pt.run_id for pt in sweep.points
                      if pt.index in report.summaries and report.summaries[pt.index].get("status") != "ok"]

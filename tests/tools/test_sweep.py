@@ -307,6 +307,24 @@ def test_interrupted_sweep_resumes_only_the_rest(local12: Path, tmp_path: Path):
     assert (out / "sweep.parquet").read_bytes() == (local12 / "sweep.parquet").read_bytes()
 
 
+def test_point_finished_but_unreported_at_interrupt_is_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A worker puts its point in place, then Ctrl-C arrives before the parent hears of it: the table
+    must still list the point (a re-run skips it), as the process-pool test can hit by chance."""
+    import sim.tools.sweep as sweep_mod
+
+    def run_then_interrupt(tasks, done):
+        sweep_mod.run_point({**tasks[0], "parent_pid": None})  # in place, never reported
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_mod, "_run_here", run_then_interrupt)
+    sw = read_sweep(CPU12, overrides=["workload.sessions=20"])
+    report = run_sweep(sw, tmp_path / "out", jobs=1)
+    assert report.interrupted is not None
+    assert finished(tmp_path / "out") == [sw.points[0].run_id]
+    t = sim.load_sweep(tmp_path / "out").table
+    assert list(t["run_id"]) == [sw.points[0].run_id] and (t["status"] == "ok").all()
+
+
 # -- Ray ------------------------------------------------------------------------------------------
 
 
