@@ -307,7 +307,8 @@ def test_interrupted_sweep_resumes_only_the_rest(local12: Path, tmp_path: Path):
     assert (out / "sweep.parquet").read_bytes() == (local12 / "sweep.parquet").read_bytes()
 
 
-def test_point_finished_but_unreported_at_interrupt_is_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_point_finished_but_unreported_at_interrupt_is_in_the_table(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
     """A worker puts its point in place, then Ctrl-C arrives before the parent hears of it: the table
     must still list the point (a re-run skips it), as the process-pool test can hit by chance."""
     import sim.tools.sweep as sweep_mod
