@@ -36,6 +36,9 @@ pip="$venv/bin/python -m pip"
 $pip install --no-deps "${TORCH_WHEEL:-torch==${torch_version}+cpu}"
 $pip install --no-deps "vllm==$version"
 $pip install --no-deps -r "$lock"
+# kvsim's own runtime dependencies, so that kvsim runs in this environment with vLLM
+# deciding (decisions = "vllm", kvsim fidelity; PYTHONPATH=<repo> or pip install -e <repo>)
+$pip install simpy pandas pyarrow matplotlib tomli-w
 
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" - <<'PY'
 import vllm

@@ -221,7 +221,7 @@ class _Override(argparse.Action):
 
 
 def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key", *,
-                         seed: bool = True, logic: bool = False) -> None:
+                         seed: bool = True, logic: bool = False, decisions: bool = False) -> None:
     """``--set KEY=VALUE`` (repeatable) and its shorthands, all into ``args.overrides``."""
     p.add_argument("--set", dest="overrides", action=_Override, metavar="KEY=VALUE",
                    help=f"override {what} (TOML value), e.g. cpu_cache.capacity=128GiB; repeatable; "
@@ -233,7 +233,34 @@ def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key
     if logic:
         p.add_argument("--logic", dest="overrides", action=_Override, key="window_logic",
                        metavar="old|new|latest", help="shorthand for --set window_logic=...")
+    if decisions:
+        p.add_argument("--decisions", dest="overrides", action=_Override, key="decisions",
+                       metavar="model|vllm", help="shorthand for --set decisions=... (vllm: the installed "
+                                                  "vLLM's scheduler decides; docs/vllm.md)")
     p.set_defaults(overrides=[])
+
+
+def _add_fidelity(sub: Any) -> None:
+    p = sub.add_parser("fidelity", help="kvsim's model against the installed vLLM on one scenario: "
+                                        "every request's decisions compared (needs vLLM; docs/vllm.md)")
+    p.add_argument("scenario", help="run/1 scenario TOML (window_logic follows the installed vLLM)")
+    p.add_argument("--limit", type=int, metavar="N", help="the first N requests (workload.limit)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_override_options(p)
+    p.set_defaults(func=_cmd_fidelity)
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from sim.tools.fidelity import fidelity, format_report  # noqa: PLC0415
+
+    overrides = list(args.overrides or [])
+    if args.limit is not None:
+        if args.limit < 1:
+            raise InputError("argument", "--limit", f"{args.limit}", "a whole number >= 1")
+        overrides.append(("--limit", f"workload.limit={args.limit}"))
+    rep = fidelity(Path(args.scenario), overrides)
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else format_report(rep))
+    return 0 if not rep.divergences else 1
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -725,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", help="run/1 scenario TOML")
     p.add_argument("--out", metavar="DIR", help="the run folder (default: results/<name>)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty run folder")
-    add_override_options(p, logic=True)
+    add_override_options(p, logic=True, decisions=True)
     p.add_argument("--plots", action="store_true", help="also write plots/*.png")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_run)
@@ -745,6 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay every reproducer with kvsim check and report whether it reproduces")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_compare)
+
+    _add_fidelity(sub)
 
     p = sub.add_parser("validate", help="check scenario files (any schema) without running them")
     p.add_argument("files", nargs="+", metavar="FILE",

@@ -142,3 +142,17 @@ output_tokens_max = 8
 """
 #: the same, swept over the two eviction policies
 SWEEP_POLICIES = SWEEP_BASE + '[sweep]\ngrid = { "cpu_cache.policy" = ["lru", "arc"] }\n'
+
+
+#: the vLLM releases the real-vLLM tests use, and the window logic each is
+VLLM_LOGIC_OF = {"0.29.0": "old", "0.30.0": "new", "0.33.0": "latest"}
+
+
+def vllm_venvs() -> dict[str, Path]:
+    """``$KVSIM_VLLM_VENVS`` (``VERSION=VENV`` pairs, comma-separated; .ci/run sets it)."""
+    text = os.environ.get("KVSIM_VLLM_VENVS", "")
+    out: dict[str, Path] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        version, _, path = item.partition("=")
+        out[version] = Path(path)
+    return out

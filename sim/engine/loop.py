@@ -125,6 +125,8 @@ class EngineConfig(SchedulerConfig):
     occupancy_interval_s: float = 1.0
     max_sim_time_s: float | None = None
     copy_path: CopyPathConfig | None = None
+    #: who decides: kvsim's model, or the installed vLLM (:mod:`sim.engine.vllm_engine`)
+    decisions: Literal["model", "vllm"] = "model"
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:

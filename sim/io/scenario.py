@@ -19,6 +19,8 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     name                  (file stem)   results go to results/<name>/
     seed                  (0)           the only source of randomness
     window_logic          ("new")       "old" (vLLM 0.29.0) | "new" (vLLM 0.30.0) | "latest" (vLLM 0.33.0)
+    decisions             ("model")     "model" (kvsim's model, by window_logic) | "vllm" (the installed
+                                        vLLM's scheduler decides: sim.model.real_vllm, docs/vllm.md)
     on_crash              ("record")    "record" | "stop"
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]
@@ -572,6 +574,8 @@ class RunScenario(Strict):
         default=0, ge=0, description="seed of every random choice")
     window_logic: Literal["old", "new", "latest"] = Field(
         default="new", description="vLLM 0.29.0 (old), 0.30.0 (new) or 0.33.0 (latest)")
+    decisions: Literal["model", "vllm"] = Field(
+        default="model", description="who decides: kvsim's model, or the vLLM installed in this environment")
     on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
     assertions: bool = Field(default=True, description="vLLM's Python assertions; false models python -O")
     model: ModelSection
@@ -1148,7 +1152,7 @@ class RunSpec:
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
-            block_accounting=s.block_accounting)
+            block_accounting=s.block_accounting, decisions=sc.decisions)
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
@@ -1203,6 +1207,8 @@ class RunSpec:
         out: dict[str, Any] = {"schema": "run/1", "kvsim_version": kvsim_version(), "name": self.name,
                                "seed": sc.seed, "window_logic": sc.window_logic, "on_crash": sc.on_crash,
                                "assertions": sc.assertions}
+        if sc.decisions != "model":  # absent by default: resolved scenarios of the model stay as they were
+            out["decisions"] = sc.decisions
         m = self.model
         model: dict[str, Any] = {"label": m.label}
         for key in ("cost_profile", "params_b", "weights_bytes"):
@@ -1345,6 +1351,21 @@ def torch_missing() -> bool:
         return True
 
 
+def _check_vllm_mode(sc: RunScenario, source: str) -> None:
+    """``decisions = "vllm"``: vLLM importable here, and nothing asked for that the mode lacks."""
+    from sim.model.real_vllm import INSTALL_HINT, VllmMissingError, installed_version  # noqa: PLC0415
+
+    try:
+        installed_version()
+    except VllmMissingError:
+        raise InputError(source, "decisions", "vLLM is not installed in this Python environment",
+                         INSTALL_HINT.split(": ", 1)[1] + ', or decisions = "model"') from None
+    if sc.copy_path.enabled:
+        raise InputError(source, "copy_path.enabled",
+                         'the copy path is not available with decisions = "vllm"',
+                         'copy_path.enabled = false, or decisions = "model"')
+
+
 #: what to do when the copy path is asked for without torch
 TORCH_ALLOWED = "pip install 'kvsim[torch]' (torch==2.13.0)"
 
@@ -1473,6 +1494,8 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
     if sc.copy_path.enabled and torch_missing():
         raise InputError(source, "copy_path.enabled", "the copy path needs torch, which is not installed",
                          f"{TORCH_ALLOWED}, or copy_path.enabled = false")
+    if sc.decisions == "vllm":
+        _check_vllm_mode(sc, source)
     base = path.resolve().parent
     model = _resolve_model(sc.model, base, source)
     hw = _resolve_hardware(sc.hardware, base, source)

@@ -175,13 +175,26 @@ class RunOutcome:
     error: BaseException | None = None
 
 
+def vllm_version_note() -> str:
+    """The installed vLLM's version (``decisions = "vllm"``); warns once on stderr when it is
+    not one of the versions the mode is tested against."""
+    from sim.model.real_vllm import SUPPORTED_VERSIONS, installed_version  # noqa: PLC0415
+
+    v = installed_version()
+    if v not in SUPPORTED_VERSIONS:
+        print(f"kvsim: warning: vLLM {v} is not one of the tested versions "
+              f"({', '.join(SUPPORTED_VERSIONS)}); trying it", file=sys.stderr)
+    return v
+
+
 def _versions() -> dict[str, str]:
     out = {}
-    for dist in ("kvsim", "simpy", "pydantic", "pandas", "pyarrow", "numpy", "tqdm", "tomli-w"):
+    for dist in ("kvsim", "simpy", "pydantic", "pandas", "pyarrow", "numpy", "tqdm", "tomli-w", "vllm"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
-            out[dist] = "not installed"
+            if dist != "vllm":  # noted only where installed (the vllm decision mode)
+                out[dist] = "not installed"
     return out
 
 
@@ -225,7 +238,11 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     scenario_toml = spec.resolved_toml()
     config = spec.engine_config()
     requests = _Guarded(spec.requests())
-    header = {"name": spec.name, "seed": spec.scenario.seed, "window_logic": spec.scenario.window_logic}
+    header: dict[str, Any] = {"name": spec.name, "seed": spec.scenario.seed,
+                              "window_logic": spec.scenario.window_logic}
+    if config.decisions == "vllm":
+        header["decisions"] = "vllm"
+        header["vllm_version"] = vllm_version_note()
     last = {"requests_finished": 0, "sim_time_s": 0.0}
 
     def on_progress(finished: int, sim_time_s: float) -> None:
@@ -240,7 +257,12 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     try:
         sink = ParquetSink(writer.start())
         recorder = Recorder(sink)
-        result = simulate(config, requests, recorder, progress=on_progress)
+        if config.decisions == "vllm":
+            from sim.engine.vllm_engine import simulate_vllm  # noqa: PLC0415 -- imports vLLM
+
+            result = simulate_vllm(config, requests, recorder, progress=on_progress)
+        else:
+            result = simulate(config, requests, recorder, progress=on_progress)
         sink.close()
     except BaseException as exc:
         bad_input = exc if isinstance(exc, InputError) else requests.error

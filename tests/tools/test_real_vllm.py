@@ -23,33 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.helpers import ROOT, VLLM_LOGIC_OF
 
-from tests.helpers import ROOT
-
-LOGIC_OF = {"0.29.0": "old", "0.30.0": "new", "0.33.0": "latest"}
-
-
-def _venvs() -> dict[str, Path]:
-    text = os.environ.get("KVSIM_VLLM_VENVS", "")
-    out: dict[str, Path] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        version, _, path = item.partition("=")
-        out[version] = Path(path)
-    return out
-
-
-@pytest.fixture(params=sorted(LOGIC_OF))
-def vllm_python(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    version = request.param
-    venv = _venvs().get(version)
-    if venv is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"KVSIM_VLLM_VENVS names no vLLM {version} environment in CI (.ci/run installs it)")
-        pytest.skip(f"no vLLM {version} environment (scripts/install-vllm-cpu.sh {version})")
-    python = venv / "bin" / "python"
-    assert python.is_file(), f"{python} missing"
-    return version, python
+LOGIC_OF = VLLM_LOGIC_OF
 
 
 def _harness(python: Path, *args: str) -> subprocess.CompletedProcess[str]:

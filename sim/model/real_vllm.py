@@ -1,0 +1,617 @@
+"""Real vLLM as the decision maker (``decisions = "vllm"``): its v1 scheduler, clock-free.
+
+What it models
+    Nothing of its own: every scheduling and KV decision comes from the vLLM
+    installed in the environment (0.29.0, 0.30.0 and 0.33.0 supported; others
+    tried, with a warning). :class:`RealVllmScheduler` builds, on CPU and
+    without model weights:
+
+    * vLLM's v1 ``Scheduler`` (waiting queue, token budget, chunked prefill,
+      preemption) with its ``KVCacheManager`` (one block pool shared by the
+      layout's groups; the per-kind managers; the prefix cache), from a tiny
+      local ``config.json`` (the model's shapes do not matter to the
+      scheduler; kvsim's layout gives the KV cache groups);
+    * vLLM's ``OffloadingConnector``, scheduler side, with vLLM's own
+      ``CPUOffloadingManager`` (LRU or ARC) of the scenario's capacity
+      (:class:`sim.model.vllm_spec.KvsimOffloadingSpec`);
+    * vLLM's ``OffloadingConnector``, worker side, with kvsim's worker
+      (:class:`sim.model.vllm_spec.SimulatedWorker`): vLLM's own code decides
+      when a store is submitted (deferred to the next step), what is flushed
+      and waited for; kvsim only times the jobs.
+
+    The engine (:mod:`sim.engine.vllm_engine`) keeps kvsim's clock, arrivals,
+    step-time and transfer models. One step is vLLM's: ``schedule()``, the
+    worker connector's ``handle_preemptions`` / ``start_load_kv`` /
+    ``wait_for_save`` / ``get_finished``, the forward pass (kvsim's step
+    time), then ``update_from_output`` with one sampled token per request
+    whose prefill is complete and the transfer completions as connector
+    output.
+
+    Requests carry no token ids in kvsim (a block's content is its hash): the
+    prompt is a run of one token id, and each request's block hasher returns
+    kvsim's hashes of the workload, so vLLM's prefix cache and offload keys
+    see exactly the sharing kvsim's model sees.
+
+Simplifications (of the driving, not of vLLM's decisions)
+    * Too-long requests: vLLM refuses at start-up a ``max_model_len`` its KV
+      cache cannot hold, and its input processor rejects longer prompts. kvsim
+      sets ``max_model_len`` to the longest request one pool can hold (each
+      group's worst case with a full ``max_num_batched_tokens`` chunk) and
+      rejects longer requests on arrival (kvsim's own model rejects them when
+      they are first found not to fit).
+    * A vLLM assertion (the modelled crash) leaves vLLM's state undefined:
+      the run stops there (``stopped_on_crash``) whatever ``on_crash`` says;
+      the crash is an ``events`` row and the request's ``crash`` column.
+    * Synchronous scheduling (no async scheduling, no speculative decoding
+      tokens), greedy single-token outputs with ``ignore_eos``.
+
+Invariants
+    * :meth:`RealVllmScheduler.invariant_problems` at the end of a completed
+      run: no request left, every GPU block free or cached, no transfer job
+      left in vLLM's connector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import math
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.model.layout import GroupKind, Layout
+from sim.model.request import LiveRequest, Request, RequestStatus
+from sim.model.scheduler import AttendedContext, ModelEvent, SchedulerConfig, SchedulerHooks, SchedulerStats
+
+__all__ = ["SUPPORTED_VERSIONS", "RealStep", "RealVllmScheduler", "VllmMissingError", "installed_version"]
+
+#: the vLLM releases this mode is tested against (window logic each corresponds to)
+SUPPORTED_VERSIONS = {"0.29.0": "old", "0.30.0": "new", "0.33.0": "latest"}
+
+INSTALL_HINT = ("decisions = \"vllm\" needs vLLM in this Python environment: "
+                "bash scripts/install-vllm-cpu.sh 0.30.0 (or 0.29.0, 0.33.0), then run kvsim with that "
+                "environment's Python (docs/vllm.md)")
+
+
+class VllmMissingError(ImportError):
+    """vLLM cannot be imported here (the message is the one-line install hint)."""
+
+
+def installed_version() -> str:
+    """The installed vLLM's version, without importing its heavy modules.
+
+    Raises:
+        VllmMissingError: vLLM is not installed.
+    """
+    from importlib import metadata  # noqa: PLC0415
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise VllmMissingError(INSTALL_HINT) from None
+
+
+#: the names this module uses: short name -> (module, attribute; None: the module itself)
+_NAMES = {
+    "torch": ("torch", None),
+    "CacheConfig": ("vllm.config", "CacheConfig"),
+    "DeviceConfig": ("vllm.config", "DeviceConfig"),
+    "KVTransferConfig": ("vllm.config", "KVTransferConfig"),
+    "ModelConfig": ("vllm.config", "ModelConfig"),
+    "VSchedulerConfig": ("vllm.config", "SchedulerConfig"),
+    "VllmConfig": ("vllm.config", "VllmConfig"),
+    "KVConnectorRole": ("vllm.distributed.kv_transfer.kv_connector.v1", "KVConnectorRole"),
+    "OffloadingConnector": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+                            "OffloadingConnector"),
+    "ForwardContext": ("vllm.forward_context", "ForwardContext"),
+    "SamplingParams": ("vllm.sampling_params", "SamplingParams"),
+    "resolve_kv_cache_block_sizes": ("vllm.v1.core.kv_cache_utils", "resolve_kv_cache_block_sizes"),
+    "VScheduler": ("vllm.v1.core.sched.scheduler", "Scheduler"),
+    "ChunkedLocalAttentionSpec": ("vllm.v1.kv_cache_interface", "ChunkedLocalAttentionSpec"),
+    "FullAttentionSpec": ("vllm.v1.kv_cache_interface", "FullAttentionSpec"),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
+    "KVCacheGroupSpec": ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec"),
+    "MambaSpec": ("vllm.v1.kv_cache_interface", "MambaSpec"),
+    "SlidingWindowSpec": ("vllm.v1.kv_cache_interface", "SlidingWindowSpec"),
+    "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
+    "ModelRunnerOutput": ("vllm.v1.outputs", "ModelRunnerOutput"),
+    "VRequest": ("vllm.v1.request", "Request"),
+    "StructuredOutputManager": ("vllm.v1.structured_output", "StructuredOutputManager"),
+}
+
+
+def _import_vllm() -> dict[str, Any]:
+    """The vLLM names this module uses (imported on CPU, quietly)."""
+    installed_version()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # its logs go to stdout, which is kvsim's (--json); harmless CPU-only import errors (Triton) too
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "CRITICAL")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        warnings.simplefilter("ignore")
+        try:
+            for key, (module, attr) in _NAMES.items():
+                mod = importlib.import_module(module)
+                out[key] = mod if attr is None else getattr(mod, attr)
+        except (ImportError, AttributeError) as exc:
+            raise VllmMissingError(f"vLLM is installed but does not import ({exc}); "
+                                   + INSTALL_HINT) from None
+    return out
+
+
+@dataclass
+class RealStep:
+    """One step of the real scheduler, between ``schedule`` and ``update_from_output``."""
+
+    output: Any
+    #: the cost model's inputs
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: float = 0.0
+    scheduled: int = 0
+    preempted: int = 0
+    loads: int = 0
+    stores: int = 0
+    #: a vLLM assertion stopped the run in ``schedule`` (nothing else is set)
+    stopped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RealJob:
+    """A transfer job vLLM's worker connector submitted."""
+
+    job_id: int
+    req_id: str
+    direction: str
+    chunks: int
+    blocks: int
+    nbytes: int
+
+
+@dataclass
+class _Track:
+    """What kvsim records about one request (its row), beside vLLM's ``Request``."""
+
+    live: LiveRequest
+    hashes: list[bytes] = field(default_factory=list)
+
+
+def _tiny_model_dir() -> str:
+    """A local Hugging Face config vLLM's ``ModelConfig`` accepts offline (shapes unused)."""
+    root = Path(tempfile.gettempdir()) / "kvsim-vllm-model"
+    cfg = root / "config.json"
+    if not cfg.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".config-{os.getpid()}.json"
+        tmp.write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 24,
+            "rms_norm_eps": 1e-5, "torch_dtype": "float16", "eos_token_id": 2, "bos_token_id": 1}))
+        tmp.replace(cfg)
+    return str(root)
+
+
+def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
+    """The longest request one block pool holds: every group's worst case
+    (a full chunk of new tokens beyond the window or attention chunk), as
+    vLLM sizes ``max_model_len`` against its KV cache."""
+    usable = gpu_blocks - 1  # the null block
+
+    def need(n: int) -> int:
+        total = 0
+        for g in layout.groups:
+            bs = g.tokens_per_block
+            if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
+                span = min(n, g.window - 1 + g.extra_retained_tokens + max_batched)
+                total += math.ceil(span / bs) + 1
+            elif g.kind is GroupKind.CHUNKED_LOCAL and g.attention_chunk is not None:
+                total += math.ceil(min(n, g.attention_chunk + max_batched) / bs) + 1
+            elif g.kind is GroupKind.MAMBA:
+                total += 2
+            else:
+                total += math.ceil(n / bs)
+        return total
+
+    lo, hi = 0, 1 << 26
+    while lo < hi:  # the largest n with need(n) <= usable
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RealVllmScheduler:
+    """vLLM's scheduler and offloading connector behind kvsim's engine.
+
+    Args:
+        cfg: the scheduler's share of the engine configuration (layout, pool,
+            budget, prefix caching, CPU capacity and policy).
+        hooks: ``event`` receives crash and rejection rows, ``release`` a
+            request that is done.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, hooks: SchedulerHooks) -> None:
+        v = self._v = _import_vllm()
+        self.version = installed_version()
+        self.cfg, self.hooks = cfg, hooks
+        self.layout = layout = cfg.layout
+        self.stats = SchedulerStats()
+        self.reproducers: list[Any] = []
+        self.requests: dict[str, LiveRequest] = {}
+        self._tracks: dict[str, _Track] = {}
+        self.running: list[LiveRequest] = []
+        self.now = 0.0
+        self.context = AttendedContext(layout)
+        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+        kv_config = self._kv_cache_config()
+        vcfg = self._vllm_config()
+        vcfg.cache_config.num_gpu_blocks = cfg.gpu_blocks
+        block_size, hash_size = v["resolve_kv_cache_block_sizes"](kv_config, vcfg)
+        if hash_size % layout.tokens_per_hash:
+            raise ValueError(f"vLLM hashes {hash_size}-token blocks for this layout; kvsim's "
+                             f"scheduler.tokens_per_hash ({layout.tokens_per_hash}) must divide it")
+        self.hash_size = hash_size
+        self._per_hash = hash_size // layout.tokens_per_hash
+        self.sched = v["VScheduler"](vllm_config=vcfg, kv_cache_config=kv_config, log_stats=False,
+                                     structured_output_manager=v["StructuredOutputManager"](vcfg),
+                                     block_size=block_size, hash_block_size=hash_size)
+        self.worker: Any = None
+        self.wconn: Any = None
+        self.conn_sched: Any = None
+        if cfg.offloading:
+            from sim.model.vllm_spec import SimulatedWorker  # noqa: PLC0415 -- imports vLLM
+
+            self.worker = SimulatedWorker()
+            self.wconn = v["OffloadingConnector"](vcfg, v["KVConnectorRole"].WORKER, kv_config)
+            self.wconn.connector_worker.worker = self.worker
+            self.conn_sched = self.sched.connector.connector_scheduler
+            self._watch_lookups()
+        self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
+        self._jobs: dict[int, RealJob] = {}
+        #: job id -> request, from the connector's metadata until the worker submits the job
+        self._job_req: dict[int, str] = {}
+        self._pending_finished: set[str] = set()
+
+    def _kv_cache_config(self) -> Any:
+        """vLLM's KV cache config: one group per layout group, one block pool (toy tensor shapes:
+        the scheduler reads block sizes and kinds; kvsim's layout gives the bytes)."""
+        v, cfg = self._v, self.cfg
+        f16 = v["torch"].float16
+        specs = []
+        for g in self.layout.groups:
+            common = {"block_size": g.tokens_per_block, "num_kv_heads": 1, "head_size": 8, "dtype": f16}
+            if g.kind is GroupKind.SLIDING_WINDOW:
+                kw: dict[str, Any] = {"sliding_window": g.window}
+                if g.extra_retained_tokens:
+                    kw["extra_retained_tokens"] = g.extra_retained_tokens
+                specs.append(v["SlidingWindowSpec"](**common, **kw))
+            elif g.kind is GroupKind.CHUNKED_LOCAL:
+                specs.append(v["ChunkedLocalAttentionSpec"](**common, attention_chunk_size=g.attention_chunk))
+            elif g.kind is GroupKind.MAMBA:
+                specs.append(v["MambaSpec"](block_size=g.tokens_per_block, shapes=((1,),), dtypes=(f16,),
+                                            mamba_cache_mode="align"))
+            else:
+                specs.append(v["FullAttentionSpec"](**common))
+        groups = [v["KVCacheGroupSpec"]([f"layer.{i}"], s, **({"is_eagle_group": True} if g.eagle else {}))
+                  for i, (g, s) in enumerate(zip(self.layout.groups, specs, strict=True))]
+        return v["KVCacheConfig"](num_blocks=cfg.gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def _vllm_config(self) -> Any:
+        """vLLM's config: a tiny local model, kvsim's budget and pool, the OffloadingConnector
+        with kvsim's spec (vLLM's CPU manager of the scenario's capacity and policy)."""
+        v, cfg, layout = self._v, self.cfg, self.layout
+        extra = {"spec_name": "KvsimOffloadingSpec", "spec_module_path": "sim.model.vllm_spec",
+                 "kvsim_num_chunks": max(1, cfg.cpu_capacity_chunks), "cpu_bytes_to_use": 1 << 30,
+                 "blocks_per_chunk": layout.blocks_per_chunk, "eviction_policy": str(cfg.eviction.value),
+                 "offload_prompt_only": cfg.offload_prompt_only}
+        model = v["ModelConfig"](model=_tiny_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0,
+                                 max_model_len=self.max_model_len)
+        sched_cfg = v["VSchedulerConfig"](max_num_seqs=cfg.max_num_seqs,
+                                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                          max_model_len=self.max_model_len, enable_chunked_prefill=True,
+                                          is_encoder_decoder=False)
+        cache = v["CacheConfig"](block_size=layout.groups[0].tokens_per_block, gpu_memory_utilization=0.9,
+                                 cache_dtype="auto", enable_prefix_caching=cfg.prefix_caching)
+        transfer = v["KVTransferConfig"](kv_connector="OffloadingConnector", kv_role="kv_both",
+                                         kv_connector_extra_config=extra) if cfg.offloading else None
+        return v["VllmConfig"](model_config=model, scheduler_config=sched_cfg, cache_config=cache,
+                               kv_transfer_config=transfer, device_config=v["DeviceConfig"]("cpu"))
+
+    # -- observing vLLM (never deciding) ---------------------------------------------
+
+    def _watch_lookups(self) -> None:
+        """Count what the connector's lookup answered per request (hits, deferrals)."""
+        conn = self.sched.connector
+        real = conn.get_num_new_matched_tokens
+
+        def lookup(request: Any, num_computed_tokens: int) -> Any:
+            ext, load_async = real(request, num_computed_tokens)
+            r = self.requests.get(request.request_id)
+            if r is not None:
+                if ext is None:
+                    r.deferrals += 1
+                    self.stats.deferrals += 1
+                    if r.deferred_since is None:
+                        r.deferred_since = self.now
+                elif r.deferred_since is not None:
+                    r.deferred_s += self.now - r.deferred_since
+                    r.deferred_since = None
+                if ext:
+                    r.cpu_hit_tokens += ext
+                    self.stats.cpu_hit_tokens += ext
+                    if r.preemptions:
+                        r.cpu_reload_tokens += ext
+                        self.stats.cpu_reload_tokens += ext
+            return ext, load_async
+
+        conn.get_num_new_matched_tokens = lookup
+
+    # -- requests ----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.sched.waiting) + len(getattr(self.sched, "skipped_waiting", ()))
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        waiting = list(self.sched.waiting) + list(getattr(self.sched, "skipped_waiting", ()))
+        return sum(1 for q in waiting if q.status.name == "WAITING_FOR_REMOTE_KVS")
+
+    def add_request(self, req: Request) -> LiveRequest:
+        r = LiveRequest(req, self.layout.tokens_per_hash)
+        self.stats.requests_arrived += 1
+        self.stats.prompt_tokens += req.prompt_tokens
+        total = req.prompt_tokens + req.output_tokens
+        if total > self.max_model_len:  # the caller writes its row at once
+            r.status = RequestStatus.REJECTED
+            self._event("rejected", "too_long", r.req_id,
+                        f"{total} tokens exceed max_model_len {self.max_model_len} "
+                        "(what the block pool holds)")
+            return r
+        ph = self._per_hash
+        hashes = req.block_hashes
+        keyed = [int(hashes[(i + 1) * ph - 1]).to_bytes(8, "little", signed=True)
+                 for i in range(len(hashes) // ph)]
+        self.requests[r.req_id] = r
+        self._tracks[r.req_id] = _Track(r, keyed)
+
+        def hasher(vreq: Any, keyed: list[bytes] = keyed, hs: int = self.hash_size) -> list[bytes]:
+            return keyed[len(vreq.block_hashes): vreq.num_tokens // hs]
+
+        v = self._v
+        params = v["SamplingParams"](max_tokens=req.output_tokens, ignore_eos=True)
+        vreq = v["VRequest"](r.req_id, [0] * req.prompt_tokens, params, None, block_hasher=hasher)
+        self.sched.add_request(vreq)
+        return r
+
+    def _event(self, kind: str, detail: str, req_id: str | None, message: str, group: int = -1,
+               chunk: int = -1) -> None:
+        self.hooks.event(ModelEvent(self.now, kind, detail, req_id, group, chunk, message))
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> RealStep:
+        """vLLM's ``schedule()``; the cost model's inputs of the step."""
+        self.now = now
+        try:
+            out = self.sched.schedule()
+        except AssertionError as exc:
+            self._crash(exc)
+            return RealStep(None, stopped=True)
+        step = RealStep(out)
+        att = self.context.attended
+        vreqs = self.sched.requests
+        for req_id, n in out.num_scheduled_tokens.items():
+            q = vreqs[req_id]
+            r = self.requests[req_id]
+            done = q.num_computed_tokens - n   # vLLM advanced it in schedule()
+            if r.scheduled_s is None:
+                r.scheduled_s = now
+                r.gpu_hit_tokens = max(0, done - r.cpu_hit_tokens)
+                self.stats.gpu_hit_tokens += r.gpu_hit_tokens
+            if done >= q.num_prompt_tokens:
+                step.decode_seqs += 1
+            else:
+                step.prefill_tokens += n
+                r.computed_tokens += n
+                self.stats.computed_tokens += n
+                if r.preemptions:
+                    r.recomputed_tokens += n
+                    self.stats.recomputed_tokens += n
+            step.context_tokens += att(done + n)
+        step.context_tokens /= self.context.bytes_per_token
+        step.scheduled = len(out.num_scheduled_tokens)
+        for req_id in out.preempted_req_ids or ():
+            victim = self.requests.get(req_id)
+            if victim is not None:
+                victim.preemptions += 1
+                self.stats.preemptions += 1
+                step.preempted += 1
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            step.loads, step.stores = len(meta.load_jobs), len(meta.store_jobs)
+            for table in (meta.load_jobs, meta.store_jobs):  # the worker pops flushed ones
+                for job_id, entry in table.items():
+                    self._job_req[job_id] = str(entry.req_id)
+        return step
+
+    def flush(self, step: RealStep) -> tuple[list[RealJob], set[int]]:
+        """The worker's ``handle_preemptions``: stores it submits now, jobs it waits for."""
+        if self.wconn is None or step.output.kv_connector_metadata is None:
+            return [], set()
+        self.wconn.handle_preemptions(step.output.kv_connector_metadata)
+        return self._take_submitted()
+
+    def start_transfers(self, step: RealStep) -> tuple[list[RealJob], set[int]]:
+        """The worker's ``start_load_kv``: deferred stores and this step's loads; jobs waited for."""
+        if self.wconn is None or step.output.kv_connector_metadata is None:
+            return [], set()
+        self.wconn.bind_connector_metadata(step.output.kv_connector_metadata)
+        self.wconn.start_load_kv(self._fctx)
+        return self._take_submitted()
+
+    def _take_submitted(self) -> tuple[list[RealJob], set[int]]:
+        w = self.worker
+        jobs = [self._job(*s) for s in w.submitted]
+        w.submitted = []
+        waited, w.waited = w.waited, set()
+        return jobs, waited
+
+    def _job(self, job_id: int, direction: str, src: Any, dst: Any) -> RealJob:
+        gpu, other = (dst, src) if direction == "h2d" else (src, dst)
+        sizes = list(getattr(gpu, "group_sizes", None) or [len(gpu.block_ids)])
+        nbytes = sum(n * b for n, b in zip(sizes, self._group_bytes, strict=False))
+        ids = getattr(other, "block_ids", None)
+        chunks = len(ids) if ids is not None else 0
+        req_id = self._job_req.pop(job_id, "")
+        job = RealJob(job_id, req_id, direction, chunks, sum(sizes), nbytes)
+        self._jobs[job_id] = job
+        r = self.requests.get(req_id)
+        if direction == "h2d":
+            self.stats.load_jobs += 1
+            self.stats.loaded_bytes += nbytes
+            if r is not None:
+                r.load_jobs += 1
+                r.loaded_bytes += nbytes
+        else:
+            self.stats.store_jobs += 1
+            self.stats.stored_bytes += nbytes
+            if r is not None:
+                r.store_jobs += 1
+                r.stored_bytes += nbytes
+        return job
+
+    def update_from_output(self, now: float, step: RealStep,
+                           completed: list[int]) -> list[LiveRequest] | None:
+        """The worker's end of step (``wait_for_save``, ``get_finished``) and vLLM's
+        ``update_from_output``; returns the requests finished (None: a vLLM
+        assertion stopped the run)."""
+        self.now = now
+        try:
+            mro = self._model_runner_output(step, completed)
+            outputs = self.sched.update_from_output(step.output, mro)
+        except AssertionError as exc:
+            self._crash(exc)
+            return None
+        finished: list[LiveRequest] = []
+        for eco in outputs.values():
+            for o in eco.outputs:
+                r = self.requests.get(o.request_id)
+                if r is None:
+                    continue
+                if o.new_token_ids:
+                    if r.first_token_s is None:
+                        r.first_token_s = now
+                    r.generated += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    r.status = RequestStatus.FINISHED
+                    r.finish_s = now
+                    finished.append(r)
+        for r in finished:
+            self.requests.pop(r.req_id, None)
+            self._tracks.pop(r.req_id, None)
+            if self.hooks.release is not None:
+                self.hooks.release(r)
+        live = self.requests
+        self.running = [live[q.request_id] for q in self.sched.running if q.request_id in live]
+        return finished
+
+    def _model_runner_output(self, step: RealStep, completed: list[int]) -> Any:
+        """What vLLM's worker returns: a token per request whose prefill is complete, and the
+        connector's output with the transfers completed by now."""
+        v, out = self._v, step.output
+        if self.worker is not None:
+            self.worker.finish(completed)
+        conn_out = None
+        if self.wconn is not None and out.kv_connector_metadata is not None:
+            self.wconn.wait_for_save()
+            fin_send, fin_recv = self.wconn.get_finished(out.finished_req_ids)
+            kw: dict[str, Any] = {"finished_sending": fin_send, "finished_recving": fin_recv}
+            worker_meta = self.wconn.build_connector_worker_meta()
+            if worker_meta is not None:
+                kw["kv_connector_worker_meta"] = worker_meta
+            self.wconn.clear_connector_metadata()
+            conn_out = v["KVConnectorOutput"](**kw)
+        for j in completed:
+            self._jobs.pop(j, None)
+        vreqs = self.sched.requests
+        ids = list(out.num_scheduled_tokens)
+        # vLLM advanced num_computed_tokens in schedule(): the prefill is done when it reaches the end
+        sampled = [[0] if vreqs[i].num_computed_tokens >= vreqs[i].num_tokens else [] for i in ids]
+        return v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=sampled, kv_connector_output=conn_out)
+
+    def _crash(self, exc: AssertionError) -> None:
+        """A vLLM assertion: the modelled crash (recorded; the run stops)."""
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = frames[-1]
+        msg = str(exc) or f"assert at {Path(where.filename).name}:{where.lineno}: {where.line}"
+        kind = ("missing_chunk" if "not found" in msg else "chunk_not_ready" if "not ready" in msg
+                else "assertion")
+        req_id = None
+        tb = exc.__traceback__
+        while tb is not None:  # the innermost frame that names a request
+            loc = tb.tb_frame.f_locals
+            for name in ("request", "req"):
+                rid = getattr(loc.get(name), "request_id", None)
+                if isinstance(rid, str):
+                    req_id = rid
+            tb = tb.tb_next
+        s = self.stats
+        s.crashes += 1
+        s.crash_kinds[kind] = s.crash_kinds.get(kind, 0) + 1
+        if s.first_crash_s is None:
+            s.first_crash_s = self.now
+        if req_id is not None and req_id in self.requests:
+            self.requests[req_id].crash = kind
+        self._event("crash", kind, req_id,
+                    f"vllm {self.version} {Path(where.filename).name}:{where.lineno}: {msg}")
+
+    # -- occupancy and the end ------------------------------------------------------------
+
+    @property
+    def gpu_used(self) -> int:
+        pool = self.sched.kv_cache_manager.block_pool
+        return int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks())
+
+    @property
+    def gpu_cached(self) -> int:
+        pool = self.sched.kv_cache_manager.block_pool
+        return len(getattr(pool, "cached_block_hash_to_block", ()) or ())
+
+    def cpu_counts(self) -> tuple[int, int, int, int]:
+        """(present, pending, loading, free) chunks of vLLM's CPU manager (best effort)."""
+        if self.conn_sched is None:
+            return 0, 0, 0, 0
+        mgr = self.conn_sched.manager
+        cap = self.cfg.cpu_capacity_chunks
+        used = int(getattr(mgr, "_num_allocated_chunks", getattr(mgr, "_num_allocated_blocks", 0)) or 0)
+        pending = int(getattr(mgr, "_num_write_pending_chunks",
+                              getattr(mgr, "_num_write_pending_blocks", 0)) or 0)
+        return max(0, used - pending), pending, 0, max(0, cap - used)
+
+    def has_work(self) -> bool:
+        return bool(self.sched.requests) or bool(self._jobs) or bool(self.sched.finished_req_ids) \
+            or bool(self.conn_sched is not None and getattr(self.conn_sched, "_jobs", None))
+
+    def invariant_problems(self) -> list[str]:
+        problems = []
+        if self.sched.requests:
+            problems.append(f"{len(self.sched.requests)} requests left in vLLM's scheduler")
+        if self._jobs:
+            problems.append(f"{len(self._jobs)} transfer jobs never completed")
+        return problems
+

@@ -1,0 +1,190 @@
+"""decisions = "vllm" and kvsim fidelity: whole runs decided by the real vLLM releases.
+
+Each test runs kvsim inside a real vLLM environment (``$KVSIM_VLLM_VENVS``,
+see tests/tools/test_real_vllm.py; .ci/run installs 0.29.0, 0.30.0, 0.33.0
+with kvsim's own dependencies), except the install-hint test, which needs an
+environment without vLLM (kvsim's own).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sim.tools.fidelity import REQUEST_FIELDS
+from tests.helpers import ROOT, VLLM_LOGIC_OF
+
+#: full attention, no admission contention: the real schedulers and kvsim's model must agree
+#: on every decision (GPU and CPU hits, loads, stores, times)
+AGREE = """
+schema = "run/1"
+name = "agree"
+[model]
+label = "full16"
+groups = [{ kind = "full", tokens_per_block = 16, layers = 2, kv_heads = 1, head_size = 8, dtype = "fp16" }]
+[hardware]
+gpu_blocks = 1200
+[cpu_cache]
+chunks = 3000
+[scheduler]
+blocks_per_chunk = 4
+tokens_per_hash = 16
+max_num_batched_tokens = 2048
+[workload]
+kind = "multiturn"
+sessions = 16
+session_rate_per_s = 0.2
+think_time_mean_s = 30.0
+max_context_tokens = 8000
+output_tokens_mean = 40
+[costs]
+step = { overhead_s = 0.005, prefill_token_s = 1e-5, decode_seq_s = 1e-4, context_token_s = 1e-7 }
+transfer = "hardware"
+"""
+
+#: the spec's hybrid layout (section 6): three groups, two sliding windows
+HYBRID = """
+schema = "run/1"
+name = "hybrid"
+[model]
+name = "spec6"
+[hardware]
+gpu_blocks = 3000
+[cpu_cache]
+chunks = 2000
+[scheduler]
+blocks_per_chunk = 4
+tokens_per_hash = 8
+[workload]
+kind = "multiturn"
+sessions = 6
+[costs]
+step = { overhead_s = 0.005, prefill_token_s = 1e-5, decode_seq_s = 1e-4, context_token_s = 1e-7 }
+transfer = "hardware"
+"""
+
+
+def _kvsim(python: Path | str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([str(python), "-m", "sim.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+
+
+def _write(tmp: Path, text: str, name: str) -> Path:
+    p = tmp / f"{name}.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_mode_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    scenario = _write(tmp_path, AGREE, "agree")
+    for args in (["run", str(scenario), "--decisions", "vllm", "--out", str(tmp_path / "out")],
+                 ["fidelity", str(scenario)]):
+        r = _kvsim(sys.executable, *args, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "decisions" in lines[0] and "install-vllm-cpu.sh" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
+
+
+def test_a_run_decided_by_real_vllm(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
+    """The hybrid layout, vLLM deciding: the run completes, says which vLLM decided, every
+    request is accounted for, and the GPU and CPU hits are those of kvsim's model."""
+    version, python = vllm_python
+    scenario = _write(tmp_path, HYBRID, "hybrid")
+    out = tmp_path / "real"
+    r = _kvsim(python, "run", str(scenario), "--decisions", "vllm", "--out", str(out), "-q", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    info = json.loads((out / "run_info.json").read_text())
+    assert summary["status"] == "ok" and summary["end"] == "ok"
+    assert summary["run"]["decisions"] == "vllm" and summary["run"]["vllm_version"] == version
+    assert info["versions"]["vllm"] == version
+    assert "decisions = \"vllm\"" in (out / "scenario.toml").read_text()
+    real = pd.read_parquet(out / "requests.parquet")
+    transfers = pd.read_parquet(out / "transfers.parquet")
+    assert len(real) == summary["requests"]["arrived"] == summary["requests"]["finished"] > 0
+    assert (transfers["direction"] == "d2h").sum() > 0 and (transfers["bytes"] > 0).all()
+    assert (real["ttft_s"] > 0).all()
+
+    model_out = tmp_path / "model"
+    m = _kvsim(sys.executable, "run", str(scenario), "--logic", VLLM_LOGIC_OF[version], "--out",
+               str(model_out), "-q", cwd=tmp_path)
+    assert m.returncode == 0, m.stderr[-3000:]
+    model = pd.read_parquet(model_out / "requests.parquet")
+    both = real.merge(model, on="req_id", suffixes=("_vllm", "_kvsim"))
+    assert len(both) == len(real)
+    for col in ("gpu_hit_tokens", "cpu_hit_tokens", "computed_tokens"):
+        assert (both[f"{col}_vllm"] == both[f"{col}_kvsim"]).all(), col
+
+
+def test_fidelity_agrees_on_full_attention(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
+    """kvsim fidelity: 0 divergences where kvsim's model is complete (full attention, no
+    admission contention), with CPU hits in the run (so loads are compared too)."""
+    version, python = vllm_python
+    scenario = _write(tmp_path, AGREE, "agree")
+    r = _kvsim(python, "fidelity", str(scenario), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["vllm_version"] == version and rep["logic"] == VLLM_LOGIC_OF[version]
+    assert rep["status"] == {"kvsim": "ok", "vllm": "ok"}
+    assert rep["requests"] == 18 and rep["decisions"] >= rep["requests"] * len(REQUEST_FIELDS)
+    assert rep["divergences"] == 0 and rep["first"] is None
+    model = _kvsim(sys.executable, "run", str(scenario), "--out", str(tmp_path / "m"), "-q", cwd=tmp_path)
+    assert model.returncode == 0
+    assert pd.read_parquet(tmp_path / "m" / "requests.parquet")["cpu_hit_tokens"].sum() > 0
+
+
+def test_fidelity_on_the_hybrid_layout(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
+    """The hybrid layout: kvsim's OLD model matches 0.29 on every decision; 0.30 and 0.33 store
+    fewer sliding-window chunks than kvsim's NEW and LATEST model (a known model gap,
+    docs/vllm.md): the report names the first divergence with both sides' values, exit 1."""
+    version, python = vllm_python
+    scenario = _write(tmp_path, HYBRID, "hybrid")
+    # zero step and transfer times: with timed transfers 0.29 also flushes a store kvsim does
+    # not (a second known gap, docs/vllm.md); here only the store decisions can differ
+    r = _kvsim(python, "fidelity", str(scenario), "--set", "workload.sessions=10", "--set", "costs.step=zero",
+               "--set", "costs.transfer=zero", cwd=tmp_path)
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("fidelity: ") and f"vs vLLM {version}, 13 requests" in lines[0], r.stdout
+    if VLLM_LOGIC_OF[version] == "old":
+        assert r.returncode == 0 and lines[1].startswith("0 divergences in "), r.stdout
+        return
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert " divergences in " in lines[1] and lines[2].startswith("first: t=")
+    assert "stored_bytes: kvsim " in lines[2] and ", vLLM " in lines[2]
+    assert lines[3].startswith("by field: ") and "stored_bytes" in lines[3]
+    assert "gpu_hit_tokens" not in lines[3] and "cpu_hit_tokens" not in lines[3]
+
+
+def test_the_mtp_crash_is_a_recorded_outcome(vllm_python: tuple[str, Path], tmp_path: Path,
+                                             traces_dir: Path) -> None:
+    """The DeepSeek-V4-style MTP compare scenario under real vLLM: 0.29 and 0.30 crash
+    (a recorded crash: events row, request column, the run stopped), 0.33 does not."""
+    version, python = vllm_python
+    scenario = ROOT / "scenarios" / "compare" / "mooncake-deepseek-v4-mtp.toml"
+    out = tmp_path / "mtp"
+    r = _kvsim(python, "run", str(scenario), "--decisions", "vllm", "--set", "workload.limit=300",
+               "--out", str(out), "-q", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    events = pd.read_parquet(out / "events.parquet")
+    crashes = events[events["kind"] == "crash"]
+    requests = pd.read_parquet(out / "requests.parquet")
+    if VLLM_LOGIC_OF[version] in ("old", "new"):
+        assert summary["end"] == "stopped_on_crash"
+        assert len(crashes) == 1 and crashes.iloc[0]["detail"] == "missing_chunk"
+        assert f"vllm {version}" in crashes.iloc[0]["message"]
+        crashed = requests[requests["crash"].notna()]
+        assert list(crashed["req_id"]) == [crashes.iloc[0]["req_id"]]
+    else:
+        assert summary["end"] == "ok" and crashes.empty
