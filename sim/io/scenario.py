@@ -32,7 +32,8 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
-                          offload_prompt_only (true), offloading (true), fast_forward (true)
+                          offload_prompt_only (true), offloading (true), fast_forward (true),
+                          reserve_full_isl (true: vLLM's full-input admission reservation)
     [workload]            kind = "multiturn" (the default; MultiTurnParams fields, limit)
                           | "mooncake" (path, or trace = a published trace's name, found in
                           $KVSIM_TRACES then the fetch cache; limit, time_scale (1.0),
@@ -433,6 +434,9 @@ class SchedulerSection(Strict):
     offload_prompt_only: bool = Field(default=True, description="store prompt chunks only")
     offloading: bool = Field(default=True, description="false: no connector, no CPU cache")
     fast_forward: bool = Field(default=True, description="collapse runs of pure decode steps")
+    reserve_full_isl: bool = Field(
+        default=True, description="admit a request only if blocks for its whole input fit "
+                                  "(vLLM's scheduler_reserve_full_isl, on by default)")
     block_accounting: Literal["fast", "reference"] = Field(
         default="fast", description="GPU block bookkeeping: fast, or the per-block reference (same result)")
 
@@ -1152,7 +1156,8 @@ class RunSpec:
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
-            block_accounting=s.block_accounting, decisions=sc.decisions)
+            block_accounting=s.block_accounting, decisions=sc.decisions,
+            reserve_full_isl=s.reserve_full_isl)
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""

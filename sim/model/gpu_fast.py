@@ -650,17 +650,35 @@ class GpuFastCache:
     # -- allocation ------------------------------------------------------------------------------
 
     def blocks_needed(self, local: Sequence[Sequence[int]], local_tokens: int,
-                      external_tokens: int, num_slots: int) -> int:
+                      external_tokens: int, num_slots: int,
+                      caps: Sequence[int | None] | None = None) -> int:
         """Fresh blocks a new request's allocation takes (plus cached hit blocks
-        it pulls out of the free queue)."""
+        it pulls out of the free queue); ``caps``: per group, at most this many
+        blocks are required (vLLM's admission cap of a recycling group)."""
         total = 0
         n_comp = local_tokens + external_tokens
         ref = self.pool.ref
         for g in range(len(self.layout.groups)):
             first, _ = self.retained_range(g, n_comp)
             have = max(first, len(local[g]))
-            total += max(0, cdiv(max(num_slots, n_comp), self._bs[g]) - have)
+            required = cdiv(max(num_slots, n_comp), self._bs[g])
+            cap = caps[g] if caps is not None else None
+            if cap is not None:
+                required = min(required, cap)
+            total += max(0, required - have)
             total += sum(1 for b in local[g][first:] if ref[b] == 0 and b != NULL_BLOCK_ID)
+        return total
+
+    def more_blocks_needed(self, req_id: str, num_tokens: int, caps: Sequence[int | None]) -> int:
+        """Blocks a request that holds blocks still needs for ``num_tokens`` tokens, each
+        group's requirement capped by ``caps`` (vLLM's full-input admission check)."""
+        total = 0
+        for g, ids in enumerate(self._tables[req_id].lists):
+            required = cdiv(num_tokens, self._bs[g])
+            cap = caps[g]
+            if cap is not None:
+                required = min(required, cap)
+            total += max(0, required - len(ids))
         return total
 
     def allocate_new(

@@ -68,7 +68,14 @@ from typing import Any
 
 from sim.model.layout import GroupKind, Layout
 from sim.model.request import LiveRequest, Request, RequestStatus
-from sim.model.scheduler import AttendedContext, ModelEvent, SchedulerConfig, SchedulerHooks, SchedulerStats
+from sim.model.scheduler import (
+    AttendedContext,
+    ModelEvent,
+    SchedulerConfig,
+    SchedulerHooks,
+    SchedulerStats,
+    admission_caps,
+)
 
 __all__ = ["SUPPORTED_VERSIONS", "RealStep", "RealVllmScheduler", "VllmMissingError", "installed_version"]
 
@@ -202,24 +209,17 @@ def _tiny_model_dir() -> str:
 
 
 def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
-    """The longest request one block pool holds: every group's worst case
-    (a full chunk of new tokens beyond the window or attention chunk), as
-    vLLM sizes ``max_model_len`` against its KV cache."""
+    """The longest request one block pool holds: every group's worst case (its admission
+    cap, :func:`~sim.model.scheduler.admission_caps`), as vLLM sizes ``max_model_len``
+    against its KV cache."""
     usable = gpu_blocks - 1  # the null block
+    caps = admission_caps(layout, max_batched)
 
     def need(n: int) -> int:
         total = 0
-        for g in layout.groups:
-            bs = g.tokens_per_block
-            if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
-                span = min(n, g.window - 1 + g.extra_retained_tokens + max_batched)
-                total += math.ceil(span / bs) + 1
-            elif g.kind is GroupKind.CHUNKED_LOCAL and g.attention_chunk is not None:
-                total += math.ceil(min(n, g.attention_chunk + max_batched) / bs) + 1
-            elif g.kind is GroupKind.MAMBA:
-                total += 2
-            else:
-                total += math.ceil(n / bs)
+        for g, cap in zip(layout.groups, caps, strict=True):
+            blocks = math.ceil(n / g.tokens_per_block)
+            total += 2 if g.kind is GroupKind.MAMBA else blocks if cap is None else min(blocks, cap)
         return total
 
     lo, hi = 0, 1 << 26
@@ -322,9 +322,13 @@ class RealVllmScheduler:
         sched_cfg = v["VSchedulerConfig"](max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           max_model_len=self.max_model_len, enable_chunked_prefill=True,
-                                          is_encoder_decoder=False)
+                                          is_encoder_decoder=False,
+                                          scheduler_reserve_full_isl=cfg.reserve_full_isl)
         cache = v["CacheConfig"](block_size=layout.groups[0].tokens_per_block, gpu_memory_utilization=0.9,
                                  cache_dtype="auto", enable_prefix_caching=cfg.prefix_caching)
+        # kvsim's model keeps sliding-window checkpoints densely (vLLM's None); vLLM's own
+        # default, 0, keeps only the replay boundary and shared-prefix junctions (docs/vllm.md)
+        cache.prefix_cache_retention_interval = None
         transfer = v["KVTransferConfig"](kv_connector="OffloadingConnector", kv_role="kv_both",
                                          kv_connector_extra_config=extra) if cfg.offloading else None
         return v["VllmConfig"](model_config=model, scheduler_config=sched_cfg, cache_config=cache,
@@ -349,15 +353,24 @@ class RealVllmScheduler:
                 elif r.deferred_since is not None:
                     r.deferred_s += self.now - r.deferred_since
                     r.deferred_since = None
-                if ext:
-                    r.cpu_hit_tokens += ext
-                    self.stats.cpu_hit_tokens += ext
-                    if r.preemptions:
-                        r.cpu_reload_tokens += ext
-                        self.stats.cpu_reload_tokens += ext
             return ext, load_async
 
+        real_alloc = conn.update_state_after_alloc
+
+        def after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            # the hit counts once the request got its blocks (a lookup may be repeated)
+            r = self.requests.get(request.request_id)
+            if r is not None and num_external_tokens:
+                if r.preemptions:
+                    r.cpu_reload_tokens += num_external_tokens
+                    self.stats.cpu_reload_tokens += num_external_tokens
+                else:
+                    r.cpu_hit_tokens += num_external_tokens
+                    self.stats.cpu_hit_tokens += num_external_tokens
+            return real_alloc(request, blocks, num_external_tokens)
+
         conn.get_num_new_matched_tokens = lookup
+        conn.update_state_after_alloc = after_alloc
 
     # -- requests ----------------------------------------------------------------------
 
@@ -422,15 +435,19 @@ class RealVllmScheduler:
                 r.scheduled_s = now
                 r.gpu_hit_tokens = max(0, done - r.cpu_hit_tokens)
                 self.stats.gpu_hit_tokens += r.gpu_hit_tokens
-            if done >= q.num_prompt_tokens:
+            end = done + n
+            # kvsim's step model: a decode step computes one token of a complete sequence
+            if done >= q.num_prompt_tokens and done == q.num_tokens - 1:
                 step.decode_seqs += 1
             else:
                 step.prefill_tokens += n
+            if done < q.num_prompt_tokens or end < q.num_tokens:   # prefill work (as kvsim counts it)
+                redo = max(0, min(end, r.high_water) - done)
                 r.computed_tokens += n
+                r.recomputed_tokens += redo
                 self.stats.computed_tokens += n
-                if r.preemptions:
-                    r.recomputed_tokens += n
-                    self.stats.recomputed_tokens += n
+                self.stats.recomputed_tokens += redo
+            r.high_water = max(r.high_water, end)
             step.context_tokens += att(done + n)
         step.context_tokens /= self.context.bytes_per_token
         step.scheduled = len(out.num_scheduled_tokens)

@@ -25,8 +25,14 @@ What it models
            is promoted when the load was reported done (its blocks are
            committed, the last token is recomputed); a new request gets its
            GPU prefix hit ``L`` and asks the connector for ``E`` (``None``:
-           retried next step); allocation; ``update_state_after_alloc``
-           builds the load, which makes the request wait for remote KV;
+           retried next step); with ``reserve_full_isl`` (vLLM's
+           ``scheduler_reserve_full_isl``, on by default in 0.29 to 0.33) it
+           is admitted only if blocks for its whole input fit in the free
+           pool, each window or chunked-local group capped at what it holds
+           at most (:func:`admission_caps`); allocation of the first chunk;
+           ``update_state_after_alloc`` builds the load, which makes the
+           request wait for remote KV; a loaded request is checked the same
+           way when it is promoted;
         3. the connector's metadata: block ids, stale-entry zeroing and flush
            fences (spec §7.6), store jobs of the scheduled requests and of the
            requests finished in the previous step (which are then released);
@@ -63,8 +69,10 @@ Simplifications
     * One engine, one worker (no tensor/pipeline/data parallelism), no
       speculative decoding, no encoder inputs, no LoRA, no priorities.
     * The waiting queue is FCFS with a skipped queue in front (vLLM 0.30);
-      the async-load admission reservation (``reserved_blocks``) and the
-      allocator's watermark are not modelled.
+      the async-load admission reservation (``reserved_blocks``: blocks that
+      in-flight prefills still need, held back from a request whose load is
+      asynchronous) is not modelled; the allocator's watermark is vLLM's
+      default, 0. Mamba groups have no admission cap here.
     * A new request that cannot fit even in an empty GPU is rejected
       (recorded) instead of waiting forever; waiting requests holding blocks
       while nothing runs are preempted (deadlock breaker, see
@@ -98,7 +106,7 @@ from sim.model.costs import ZERO_STEP, StepCostModel
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.gpu_cache import Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
-from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.windows import profile
 
@@ -157,6 +165,9 @@ class SchedulerConfig:
     #: the GPU block accounting: ``fast`` (:mod:`sim.model.gpu_fast`) or the per-block
     #: ``reference`` (:mod:`sim.model.gpu_cache`); the decisions are identical (tested)
     block_accounting: Literal["fast", "reference"] = "fast"
+    #: admit a new (or resumed) request only if blocks for its whole input fit
+    #: (vLLM's ``scheduler_reserve_full_isl``, on by default in 0.29 to 0.33)
+    reserve_full_isl: bool = True
 
 
 #: block accounting -> GPU KV cache class (same interface, same decisions)
@@ -466,6 +477,23 @@ class FastForward:
         return len(self.durations)
 
 
+def admission_caps(layout: Layout, max_batched: int) -> tuple[int | None, ...]:
+    """Per group, the most blocks one request holds at once (None: no bound, full attention):
+    a sliding window keeps its window (and ``extra_retained_tokens``) plus one step's tokens
+    and a partial block, a chunked-local group its chunk plus one step's tokens. vLLM sizes
+    ``max_model_len`` and caps its full-input admission check with the same bounds."""
+    caps: list[int | None] = []
+    for g in layout.groups:
+        bs = g.tokens_per_block
+        if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
+            caps.append(cdiv(g.window - 1 + g.extra_retained_tokens + max_batched, bs) + 1)
+        elif g.kind is GroupKind.CHUNKED_LOCAL and g.attention_chunk is not None:
+            caps.append(cdiv(g.attention_chunk + max_batched, bs))
+        else:
+            caps.append(None)
+    return tuple(caps)
+
+
 class Scheduler:
     """The clock-free scheduler of one engine (see the module docstring).
 
@@ -513,6 +541,8 @@ class Scheduler:
         self.now = 0.0
         self._broke_deadlock = False
         self._loads_this_step = 0
+        #: per group, the most blocks the full-input admission check requires (None: off)
+        self.admit_caps = admission_caps(layout, cfg.max_num_batched_tokens) if cfg.reserve_full_isl else None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -684,7 +714,7 @@ class Scheduler:
             r.deferred_since = None
         comp = local_tokens + ext
         num_new = 0 if load_async else min(r.num_tokens - comp, budget)
-        alloc = gpu.allocate_new(r.req_id, local, local_tokens, ext, comp + num_new)
+        alloc = self._allocate_new(r, local, local_tokens, ext, comp + num_new)
         if alloc is None:
             return self._no_room(r)
         load: LoadPlan | None = None
@@ -714,10 +744,25 @@ class Scheduler:
         r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
         return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
 
+    def _allocate_new(self, r: LiveRequest, local: Any, local_tokens: int, ext: int,
+                      num_slots: int) -> Allocation | None:
+        """The first allocation of ``r``; None when the pool cannot take it now, including
+        when blocks for its whole input would not fit (vLLM's full-input reservation)."""
+        gpu = self.gpu
+        caps = self.admit_caps
+        if caps is not None and gpu.blocks_needed(local, local_tokens, ext, r.num_tokens,
+                                                  caps) > gpu.pool.num_free:
+            return None
+        alloc: Allocation | None = gpu.allocate_new(r.req_id, local, local_tokens, ext, num_slots)
+        return alloc
+
     def _admit_loaded(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
         """Admit a request whose load completed (its blocks are allocated)."""
         gpu = self.gpu
         num_new = min(r.num_tokens - r.num_computed, budget)
+        if self.admit_caps is not None and \
+                gpu.more_blocks_needed(r.req_id, r.num_tokens, self.admit_caps) > gpu.pool.num_free:
+            return self._no_room(r)
         ids = gpu.allocate_more(r.req_id, r.num_computed, r.num_computed + num_new)
         if ids is None:
             return self._no_room(r)

@@ -117,8 +117,11 @@ def _workload() -> list[Request]:
     return list(iter_multiturn(p, 4, 16, limit=80))
 
 
+# chunk-by-chunk admission (no full-input reservation) preempts more: the data path is
+# checked under many preemptions and reloads
 BUSY = EngineConfig(layout=HYBRID, gpu_blocks=500, cpu_capacity_chunks=600, max_num_batched_tokens=1024,
-                    max_num_seqs=8, copy_path=CP, step_cost=StepCostModel(0.004, 2e-5, 1e-4, 1e-8),
+                    max_num_seqs=8, copy_path=CP, reserve_full_isl=False,
+                    step_cost=StepCostModel(0.004, 2e-5, 1e-4, 1e-8),
                     h2d=TransferModel(5e8, 1e-4), d2h=TransferModel(5e8, 1e-4))
 
 

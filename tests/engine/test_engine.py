@@ -299,6 +299,9 @@ tokens_per_hash = 8
 blocks_per_chunk = 4
 max_num_batched_tokens = 2048
 prefix_caching = false
+# chunk-by-chunk admission: the paths these traces found (self-preemption, holders
+# deadlocked) only arise without vLLM's full-input reservation
+reserve_full_isl = false
 [costs]
 step = "zero"
 [workload]

@@ -284,7 +284,7 @@ def test_simulates_30_requests(path: Path, tmp_path: Path) -> None:
 
     mf = load_model_file(path)
     f = tmp_path / "run.toml"
-    f.write_text(run_toml(mf, limit=30, pool="gpu_blocks = 3000"))
+    f.write_text(run_toml(mf, limit=30, pool="gpu_blocks = 4000"))
     spec = load_run(f)
     res = simulate(spec.engine_config(), spec.requests(), Recorder(_Discard()))
     s = res.summary

@@ -196,11 +196,39 @@ def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> No
     assert w.released == ["big"] and list(w.sched.requests) == ["small"]
 
 
-def test_a_chunked_prefill_that_outgrows_the_pool_alone_is_rejected() -> None:
-    """With a 32-token budget the 100-token prompt gets 2 chunks (4 blocks);
-    its third chunk does not fit even with the pool to itself: rejected, the
-    step counts as a deadlock break (no endless self-preemption)."""
+def test_the_full_input_reservation_rejects_a_prompt_the_pool_cannot_hold_at_once() -> None:
+    """vLLM's full-input admission (``scheduler_reserve_full_isl``, the default): the
+    100-token prompt needs 7 blocks of the 4 free, so it is never given a chunk; with the
+    pool to itself it is rejected in the first step, holding nothing."""
     w = World(gpu_blocks=5, max_num_batched_tokens=32, offloading=False)
+    big = w.add("big", 100, 2, prefix=4)
+    plan, _ = w.step()
+    assert not plan.scheduled and big.status is RequestStatus.REJECTED
+    assert w.sched.gpu.pool.num_used == 0 and w.released == ["big"]
+    assert w.events[0].message == "100 prompt tokens: does not fit in the GPU block pool (5 blocks)"
+    assert w.sched.invariant_problems() == []
+
+
+def test_the_full_input_reservation_holds_back_a_second_prompt() -> None:
+    """A running request holds 4 of 9 usable blocks; a 90-token prompt needs 6: without the
+    reservation its first 32-token chunk (2 blocks) is admitted at once, with it the
+    request waits (the 5 free blocks cannot hold its whole input)."""
+    for reserve, admitted_in_step_2 in ((True, False), (False, True)):
+        w = World(gpu_blocks=10, max_num_batched_tokens=32, offloading=False, reserve_full_isl=reserve)
+        w.add("a", 60, 3, prefix=1)
+        w.step()
+        w.step()   # a's prefill done (64 slots: 4 blocks)
+        b = w.add("b", 90, 2, prefix=2)
+        plan, _ = w.step()
+        assert w.sched.gpu.pool.num_used == 4 + 2 * admitted_in_step_2
+        assert (b.req_id in [rid for rid, _ in batch(plan)]) is admitted_in_step_2, reserve
+
+
+def test_a_chunked_prefill_that_outgrows_the_pool_alone_is_rejected() -> None:
+    """Without the full-input reservation, with a 32-token budget the 100-token prompt
+    gets 2 chunks (4 blocks); its third chunk does not fit even with the pool to itself:
+    rejected, the step counts as a deadlock break (no endless self-preemption)."""
+    w = World(gpu_blocks=5, max_num_batched_tokens=32, offloading=False, reserve_full_isl=False)
     big = w.add("big", 100, 2, prefix=4)
     assert [batch(w.step()[0]) for _ in range(2)] == [[("big", 32)], [("big", 32)]]
     assert w.sched.gpu.pool.num_used == 4
