@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.engine.loop import simulate
-from sim.engine.metrics import Recorder
+from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
 from sim.io.scenario import RunSpec, load_run
 
@@ -60,22 +60,12 @@ REQUEST_FIELDS = ("status", "gpu_hit_tokens", "cpu_hit_tokens", "cpu_reload_toke
 TRANSFER_FIELDS = ("direction", "chunks", "blocks", "bytes", "submit_s")
 
 
-class _MemorySink:
-    """Keeps every table's columns in memory."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, dict[str, list[Any]]] = {}
-
-    def write(self, table: str, columns: dict[str, list[Any]]) -> None:
-        t = self.tables.setdefault(table, {})
-        for name, values in columns.items():
-            t.setdefault(name, []).extend(values)
-
-    def rows(self, table: str) -> list[dict[str, Any]]:
-        t = self.tables.get(table, {})
-        names = list(t)
-        n = len(t[names[0]]) if names else 0
-        return [{k: t[k][i] for k in names} for i in range(n)]
+def _rows(sink: MemorySink, table: str) -> list[dict[str, Any]]:
+    """A table of ``sink`` as a list of row dicts."""
+    t = sink.tables.get(table, {})
+    names = list(t)
+    n = len(t[names[0]]) if names else 0
+    return [{k: t[k][i] for k in names} for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -128,9 +118,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _run(spec: RunSpec, decisions: str) -> tuple[_MemorySink, str]:
+def _run(spec: RunSpec, decisions: str) -> tuple[MemorySink, str]:
     cfg = dataclasses.replace(spec.engine_config(), decisions=decisions)  # type: ignore[arg-type]
-    sink = _MemorySink()
+    sink = MemorySink()
     rec = Recorder(sink)
     if decisions == "vllm":
         from sim.engine.vllm_engine import simulate_vllm  # noqa: PLC0415 -- imports vLLM
@@ -163,13 +153,13 @@ def fidelity(path: Path, overrides: Sequence[str | tuple[str, str]] = ()) -> Fid
     return report
 
 
-def _compare(model: _MemorySink, real: _MemorySink, report: FidelityReport) -> None:
-    mreq = {r["req_id"]: r for r in model.rows("requests")}
-    vreq = {r["req_id"]: r for r in real.rows("requests")}
+def _compare(model: MemorySink, real: MemorySink, report: FidelityReport) -> None:
+    mreq = {r["req_id"]: r for r in _rows(model, "requests")}
+    vreq = {r["req_id"]: r for r in _rows(real, "requests")}
     report.requests = len(set(mreq) | set(vreq))
     mx: dict[str, list[dict[str, Any]]] = defaultdict(list)
     vx: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for table, rows in ((mx, model.rows("transfers")), (vx, real.rows("transfers"))):
+    for table, rows in ((mx, _rows(model, "transfers")), (vx, _rows(real, "transfers"))):
         for row in sorted(rows, key=lambda r: (r["submit_s"], r["job_id"])):
             table[row["req_id"]].append(row)
     for req_id in sorted(set(mreq) | set(vreq)):
@@ -198,8 +188,8 @@ def _compare(model: _MemorySink, real: _MemorySink, report: FidelityReport) -> N
             elif any(not _same(a[f], b[f]) for f in TRANSFER_FIELDS):
                 report.divergences.append(Divergence(min(a["submit_s"], b["submit_s"]), req_id,
                                                      f"transfer[{i}]", _job(a), _job(b)))
-    mc = sorted((e["req_id"] or "", e["detail"]) for e in model.rows("events") if e["kind"] == "crash")
-    vc = sorted((e["req_id"] or "", e["detail"]) for e in real.rows("events") if e["kind"] == "crash")
+    mc = sorted((e["req_id"] or "", e["detail"]) for e in _rows(model, "events") if e["kind"] == "crash")
+    vc = sorted((e["req_id"] or "", e["detail"]) for e in _rows(real, "events") if e["kind"] == "crash")
     report.decisions += 1
     if mc != vc:
         report.divergences.append(Divergence(math.inf, "", "crash events", mc[:5], vc[:5]))
