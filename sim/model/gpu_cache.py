@@ -133,7 +133,10 @@ class BlockPool:
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference of each block, in the given order; blocks reaching
-        0 go to the tail of the free queue (keeping their hash for reuse)."""
+        0 go to the tail of the free queue, keeping their hash for reuse, or, with
+        no hash (or no prefix caching), to its head, to be reused first (vLLM's
+        ``free_blocks``)."""
+        first: list[Block] = []
         for b in blocks:
             if b.block_id == NULL_BLOCK_ID:
                 continue
@@ -141,7 +144,13 @@ class BlockPool:
                 raise GpuInvariantError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self._free[b.block_id] = b
+                if self.enable_caching and b.block_hash is not None:
+                    self._free[b.block_id] = b
+                else:
+                    first.append(b)
+        for b in reversed(first):
+            self._free[b.block_id] = b
+            self._free.move_to_end(b.block_id, last=False)
 
     def commit(self, block: Block, block_hash: tuple[int, int]) -> None:
         """Give a computed block its hash (it becomes a prefix-cache entry)."""
@@ -505,10 +514,14 @@ class GpuKVCache:
         caching = self.pool.enable_caching
         cached = self.pool._cached
         nh = len(block_hashes)
+        masks = self.layout.gpu_cache_masks
         for g, blocks in enumerate(lists):
             hpb = self._hpb[g]
             n = min(num_tokens // self._bs[g], len(blocks), nh // hpb)
+            mask = masks[g]
             for i in range(done[g], n):
+                if mask is not None and not (i >= mask[2] and (i - mask[2]) % mask[0] >= mask[0] - mask[1]):
+                    continue   # a sliding window hashes only the blocks a hit needs
                 b = blocks[i]
                 if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
                     h = (block_hashes[(i + 1) * hpb - 1], g)

@@ -311,23 +311,37 @@ class FastBlockPool:
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference of each block, in the given order; blocks reaching
-        0 go to the tail of the free queue (keeping their hash for reuse)."""
-        ref = self.ref
+        0 go to the tail of the free queue, keeping their hash for reuse, or, with
+        no hash (or no prefix caching), to its head, to be reused first (vLLM's
+        ``free_blocks``)."""
+        ref, bhash, caching = self.ref, self.bhash, self.enable_caching
         queued: list[int] = []
+        first: list[int] = []
         try:
             for b in ids:
                 c = ref[b]
                 if c == 1:
                     if b != NULL_BLOCK_ID:
                         ref[b] = 0
-                        queued.append(b)
+                        (queued if caching and bhash[b] is not None else first).append(b)
                 elif c > 1:
                     ref[b] = c - 1
                 else:
                     raise GpuInvariantError(f"double free of block {b}")
         finally:
+            if first:
+                self._prepend(first)
             if queued:
                 self._enqueue(queued)
+
+    def _prepend(self, blocks: list[int]) -> None:
+        """Put ``blocks`` at the head of the free queue, in order (the first is handed out first)."""
+        q = self._queue
+        if self._head:
+            q[0] = q[0][self._head:]
+            self._head = 0
+        q.appendleft(blocks)
+        self._nfree += len(blocks)
 
     def _enqueue(self, queued: list[int]) -> None:
         q = self._queue
@@ -840,12 +854,21 @@ class GpuFastCache:
         nh = len(block_hashes)
         pool = self.pool
         bhash = pool.bhash
+        masks = self.layout.gpu_cache_masks
         for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
             d = done[g]
             n = min(num_tokens // bs, len(blocks), nh // hpb)
             if n <= d:
                 continue
             done[g] = n
+            mask = masks[g]
+            if mask is not None:   # a sliding window hashes only the blocks a hit needs
+                per, need, shift = mask
+                keep = [i for i in range(d, n) if i >= shift and (i - shift) % per >= per - need]
+                if keep:
+                    pool.commit_ids([blocks[i] for i in keep],
+                                    [block_hashes[(i + 1) * hpb - 1] for i in keep], g)
+                continue
             if n - d > 1:
                 pool.commit_ids(blocks[d:n], block_hashes[(d + 1) * hpb - 1 : n * hpb : hpb], g)
                 continue

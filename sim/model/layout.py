@@ -28,6 +28,7 @@ Invariants (checked at construction, raising :class:`LayoutError`)
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -271,6 +272,25 @@ class Layout:
         when all full-attention groups agree (spec §7.3)."""
         fa = {self.tokens_per_chunk[i] for i, w in enumerate(self.window_chunks) if w is None}
         return fa.pop() if len(fa) == 1 else None
+
+    @cached_property
+    def gpu_cache_masks(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """Per group, which complete GPU blocks vLLM's prefix cache hashes (``cache_blocks``
+        with its dense retention): None, every block; else ``(per_segment, need, shift)``: a
+        sliding-window block ``i`` is hashed iff ``i >= shift`` and ``(i - shift) % per_segment
+        >= per_segment - need``, the ``need`` blocks a hit needs before every boundary of the
+        scheduler block size (the groups' least common multiple). The same in 0.29 to 0.33."""
+        align = math.lcm(*(g.tokens_per_block for g in self.groups))
+        out: list[tuple[int, int, int] | None] = []
+        for g in self.groups:
+            bs = g.tokens_per_block
+            if g.kind is not GroupKind.SLIDING_WINDOW or g.window is None or align % bs:
+                out.append(None)
+                continue
+            need = cdiv(g.window - 1, bs) + int(g.eagle)
+            per_segment = align // bs
+            out.append(None if need >= per_segment else (per_segment, need, int(g.eagle)))
+        return tuple(out)
 
     def num_keys(self, group: int, num_tokens: int) -> int:
         """Number of complete chunks (keys) of ``group`` for a sequence of ``num_tokens``."""

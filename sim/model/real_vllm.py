@@ -281,9 +281,10 @@ class RealVllmScheduler:
         self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
         self._jobs: dict[int, RealJob] = {}
-        #: job id -> request, from the connector's metadata until the worker submits the job
-        self._job_req: dict[int, str] = {}
-        self._pending_finished: set[str] = set()
+        #: jobs in the connector's metadata, not yet submitted by the worker
+        self._planned: dict[int, RealJob] = {}
+        #: finished in the last step: released at the next schedule (their final stores built)
+        self._finishing: list[LiveRequest] = []
 
     def _kv_cache_config(self) -> Any:
         """vLLM's KV cache config: one group per layout group, one block pool (toy tensor shapes:
@@ -425,6 +426,29 @@ class RealVllmScheduler:
             self._crash(exc)
             return RealStep(None, stopped=True)
         step = RealStep(out)
+        self._account(out, step, now)
+        for req_id in out.preempted_req_ids or ():
+            victim = self.requests.get(req_id)
+            if victim is not None:
+                victim.preemptions += 1
+                self.stats.preemptions += 1
+                step.preempted += 1
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            step.loads, step.stores = len(meta.load_jobs), len(meta.store_jobs)
+            for table, direction in ((meta.load_jobs, "h2d"), (meta.store_jobs, "d2h")):
+                for job_id, entry in table.items():  # counted when built, as kvsim's model does
+                    self._planned[job_id] = self._job(job_id, str(entry.req_id), direction,
+                                                      entry.src_spec, entry.dst_spec)
+        # requests finished in the last step leave now, their final stores built (as in kvsim)
+        for r in self._finishing:
+            if self.hooks.release is not None:
+                self.hooks.release(r)
+        self._finishing = []
+        return step
+
+    def _account(self, out: Any, step: RealStep, now: float) -> None:
+        """The scheduled requests' counters (as kvsim's model counts them) and the step's load."""
         att = self.context.attended
         vreqs = self.sched.requests
         for req_id, n in out.num_scheduled_tokens.items():
@@ -448,22 +472,9 @@ class RealVllmScheduler:
                 self.stats.computed_tokens += n
                 self.stats.recomputed_tokens += redo
             r.high_water = max(r.high_water, end)
-            step.context_tokens += att(done + n)
+            step.context_tokens += att(end)
         step.context_tokens /= self.context.bytes_per_token
         step.scheduled = len(out.num_scheduled_tokens)
-        for req_id in out.preempted_req_ids or ():
-            victim = self.requests.get(req_id)
-            if victim is not None:
-                victim.preemptions += 1
-                self.stats.preemptions += 1
-                step.preempted += 1
-        meta = out.kv_connector_metadata
-        if meta is not None:
-            step.loads, step.stores = len(meta.load_jobs), len(meta.store_jobs)
-            for table in (meta.load_jobs, meta.store_jobs):  # the worker pops flushed ones
-                for job_id, entry in table.items():
-                    self._job_req[job_id] = str(entry.req_id)
-        return step
 
     def flush(self, step: RealStep) -> tuple[list[RealJob], set[int]]:
         """The worker's ``handle_preemptions``: stores it submits now, jobs it waits for."""
@@ -482,21 +493,24 @@ class RealVllmScheduler:
 
     def _take_submitted(self) -> tuple[list[RealJob], set[int]]:
         w = self.worker
-        jobs = [self._job(*s) for s in w.submitted]
+        jobs = []
+        for job_id, direction, src, dst in w.submitted:
+            job = self._planned.pop(job_id, None) or self._job(job_id, "", direction, src, dst)
+            self._jobs[job_id] = job
+            jobs.append(job)
         w.submitted = []
         waited, w.waited = w.waited, set()
         return jobs, waited
 
-    def _job(self, job_id: int, direction: str, src: Any, dst: Any) -> RealJob:
+    def _job(self, job_id: int, req_id: str, direction: str, src: Any, dst: Any) -> RealJob:
+        """A job from its specs (GPU blocks per group: the bytes); counted for its request."""
         gpu, other = (dst, src) if direction == "h2d" else (src, dst)
         sizes = list(getattr(gpu, "group_sizes", None) or [len(gpu.block_ids)])
         nbytes = sum(n * b for n, b in zip(sizes, self._group_bytes, strict=False))
         ids = getattr(other, "block_ids", None)
         chunks = len(ids) if ids is not None else 0
-        req_id = self._job_req.pop(job_id, "")
         job = RealJob(job_id, req_id, direction, chunks, sum(sizes), nbytes)
-        self._jobs[job_id] = job
-        r = self.requests.get(req_id)
+        r = self.requests.get(req_id) or next((f for f in self._finishing if f.req_id == req_id), None)
         if direction == "h2d":
             self.stats.load_jobs += 1
             self.stats.loaded_bytes += nbytes
@@ -540,8 +554,7 @@ class RealVllmScheduler:
         for r in finished:
             self.requests.pop(r.req_id, None)
             self._tracks.pop(r.req_id, None)
-            if self.hooks.release is not None:
-                self.hooks.release(r)
+            self._finishing.append(r)
         live = self.requests
         self.running = [live[q.request_id] for q in self.sched.running if q.request_id in live]
         return finished
@@ -622,6 +635,7 @@ class RealVllmScheduler:
 
     def has_work(self) -> bool:
         return bool(self.sched.requests) or bool(self._jobs) or bool(self.sched.finished_req_ids) \
+            or bool(self._finishing) or bool(self._planned) \
             or bool(self.conn_sched is not None and getattr(self.conn_sched, "_jobs", None))
 
     def invariant_problems(self) -> list[str]:

@@ -19,6 +19,8 @@ What the reference encodes, from the spec and vLLM's ``block_pool.py``:
   prefix cache forgets it if it was the cached block for that hash;
 * a request's blocks are freed tail first; a block reaching ref 0 goes to
   the queue tail and keeps its hash, so it stays a prefix hit until reused;
+  one without a hash (or any block without prefix caching) goes to the
+  queue head, in the order freed, to be reused first;
 * committing gives a hash to an unhashed block; the prefix cache keeps the
   first block cached under a hash (a duplicate is hashed but not cached).
 """
@@ -99,12 +101,17 @@ class GpuPoolMachine(RuleBasedStateMachine):
         return out
 
     def ref_free(self, ids: list[int]) -> None:
+        first: list[int] = []
         for i in ids:
             if i == NULL_BLOCK_ID:
                 continue
             self.ref[i] -= 1
             if self.ref[i] == 0:
-                self.queue.append(i)
+                if self.caching and self.hash_of[i] is not None:
+                    self.queue.append(i)
+                else:
+                    first.append(i)
+        self.queue = first + self.queue
 
     def ref_commit(self, i: int, h: tuple[int, int]) -> None:
         if i == NULL_BLOCK_ID or self.hash_of[i] is not None:
