@@ -12,7 +12,10 @@ import pytest
 from sim.errors import InputError
 from sim.io.scenario import (
     RunScenario,
+    group_spec,
+    load_model_file,
     load_run,
+    model_shape,
     parse_bandwidth,
     parse_size,
     scenarios_dir,
@@ -21,15 +24,27 @@ from sim.io.validate import validate_file
 from sim.io.workload import MultiTurnParams
 from sim.model.costs import (
     GPU_PROFILES,
-    MODEL_COST_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
+    RooflineStepModel,
     StepCostModel,
-    step_model_for,
+    roofline_step_model,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes
 from sim.model.layout import GroupKind
 from tests.helpers import ROOT
+
+
+def borrowed_step(profile: str, tp: int = 1, model: str = "hybrid-demo") -> RooflineStepModel:
+    """The step model of ``model`` borrowing ``profile``'s shape: the profile's parameters and
+    weights, the model's own groups for the attention FLOPs, the H200's figures."""
+    models = scenarios_dir() / "models"
+    p, m = load_model_file(models / f"{profile}.toml"), load_model_file(models / f"{model}.toml")
+    assert p.shape is not None
+    shape = model_shape(p.name, p.shape, p.groups, p.weights_bytes, profile, "")
+    return roofline_step_model(GPU_PROFILES["h200"], shape, [group_spec(g, tp) for g in m.groups],
+                               param_groups=[group_spec(g, 1) for g in p.groups], tensor_parallel=tp)
+
 
 #: hybrid-demo: 16 tokens x 18 layers x 2 (K, V) x 8 heads x 64 x 2 bytes, worked by hand
 HYBRID_BLOCK = 16 * 18 * 2 * 8 * 64 * 2
@@ -95,7 +110,7 @@ def test_every_default_is_applied(tmp_path: Path):
             cfg.offload_prompt_only, cfg.fast_forward) == (8192, 256, True, True, True, True)
     assert cfg.eviction is EvictionPolicy.LRU
     assert (cfg.window_logic, cfg.on_crash) == ("new", "record")
-    assert cfg.step_cost == step_model_for("h200", "qwen3-30b-a3b")
+    assert cfg.step_cost == borrowed_step("qwen3-30b-a3b")
     h200 = GPU_PROFILES["h200"]
     assert cfg.h2d == h200.h2d and cfg.d2h == h200.d2h  # the hardware file agrees with sim.model.costs
     assert (cfg.occupancy_interval_s, cfg.max_sim_time_s) == (1.0, None)
@@ -112,6 +127,10 @@ def test_hardware_profiles_match_the_cost_model():
             link = getattr(GPU_PROFILES[name], d)
             assert parse_bandwidth(hw[f"{d}_bandwidth"]) == link.bandwidth_bytes_per_s
             assert hw[f"{d}_latency_s"] == link.latency_s
+            assert hw[f"{d}_piece_overhead_s"] == link.piece_overhead_s
+            assert hw[f"{d}_duplex_factor"] == link.duplex_factor
+        host = GPU_PROFILES[name].host
+        assert (hw["host_step_s"], hw["host_per_request_s"]) == (host.step_s, host.per_request_s)
 
 
 def test_cpu_capacity_in_bytes_follows_spec_3_1(tmp_path: Path):
@@ -137,7 +156,7 @@ def test_tensor_parallel_shards_heads_and_counts_copies(tmp_path: Path):
     assert spec.block_bytes == HYBRID_BLOCK // 2  # 4 of the 8 KV heads per worker
     assert spec.gpu_blocks == 8 * GIB // (HYBRID_BLOCK // 2)
     assert spec.cpu_chunks == 16 * GIB // HYBRID_BLOCK  # two copies of a half-size slot
-    assert spec.step_cost == step_model_for("h200", "qwen3-30b-a3b", tensor_parallel=2)
+    assert spec.step_cost == borrowed_step("qwen3-30b-a3b", tp=2)
 
 
 def test_explicit_gpu_pool(tmp_path: Path):
@@ -285,7 +304,7 @@ def test_model_by_name_path_and_inline_agree(tmp_path: Path):
 def test_model_section_overrides_the_file(tmp_path: Path):
     spec = load_run(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
                                                     'name = "hybrid-demo"\ncost_profile = "llama-3.1-8b"')))
-    assert spec.step_cost == step_model_for("h200", "llama-3.1-8b")
+    assert spec.step_cost == borrowed_step("llama-3.1-8b")
     err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
                                                    'name = "hybrid-demo"\ncost_profile = "gpt-9"')))
     assert err.key == "model.cost_profile" and "llama-3.1-8b" in err.allowed
@@ -392,9 +411,11 @@ def test_auto_step_needs_a_cost_profile(tmp_path: Path):
 
 
 def test_shipped_cost_profiles_exist():
-    for f in (scenarios_dir() / "models").glob("*.toml"):
+    models = scenarios_dir() / "models"
+    for f in models.glob("*.toml"):
         data = tomllib.loads(f.read_text())
-        assert data.get("cost_profile") in (None, *MODEL_COST_PROFILES)
+        if data.get("cost_profile") is not None:
+            assert "shape" in tomllib.loads((models / f"{data['cost_profile']}.toml").read_text())
 
 
 # -- workload -----------------------------------------------------------------------------------
