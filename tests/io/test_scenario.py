@@ -19,6 +19,7 @@ from sim.io.scenario import (
     parse_bandwidth,
     parse_size,
     scenarios_dir,
+    step_model_for,
 )
 from sim.io.validate import validate_file
 from sim.io.workload import MultiTurnParams
@@ -607,3 +608,110 @@ def test_validate_check_files(tmp_path: Path):
     batch = tmp_path / "b.json"
     batch.write_text(json.dumps([tomllib.loads(src), tomllib.loads(src)]))
     assert validate_file(batch) == "check/1: 2 scenarios"
+
+
+# -- shapes, copy pieces, link and host figures (issue 17) ---------------------------------------
+
+LLAMA8 = MINIMAL.replace('name = "hybrid-demo"', 'name = "llama-3.1-8b"') + '[hardware]\nprofile = "h100"\n'
+SHAPE = ('shape = { hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 4096 }\n')
+
+
+def test_resolved_toml_round_trips_a_shape_and_the_link_figures(tmp_path: Path):
+    p = write(tmp_path, LLAMA8, "llama.toml")
+    _round_trip(tmp_path, p, ["hardware.h2d_duplex_factor=0.6", "hardware.host_per_request_s=2e-5",
+                              "model.kv_transfer_piece=\"block\""])
+    inline = MINIMAL.replace('name = "hybrid-demo"', INLINE_GROUPS + SHAPE)
+    _round_trip(tmp_path, write(tmp_path, inline, "inline.toml"), ["workload.limit=3"])
+
+
+def test_shipped_model_shape_gives_the_roofline_and_the_hardware_figures(tmp_path: Path):
+    spec = load_run(write(tmp_path, LLAMA8))
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost == step_model_for("h100", "llama-3.1-8b")
+    # default KV budget from the shape's weights (8,029,995,008 parameters x 2 bytes, no params_b)
+    assert spec.gpu_kv_bytes == int(0.9 * 80e9) - 2 * 8_029_995_008
+    h100 = GPU_PROFILES["h100"]
+    assert spec.h2d == h100.h2d and spec.d2h == h100.d2h
+    assert spec.step_cost.host == h100.host
+    cfg = spec.engine_config()
+    assert cfg.transfer_piece == "layer"
+    over = load_run(write(tmp_path, LLAMA8), ["hardware.h2d_piece_overhead_s=1e-5",
+                                               "hardware.d2h_duplex_factor=1", "hardware.host_step_s=0",
+                                               "model.kv_transfer_piece=\"block\""])
+    assert over.h2d.piece_overhead_s == 1e-5 and over.d2h.duplex_factor == 1.0
+    assert isinstance(over.step_cost, RooflineStepModel) and over.step_cost.host.step_s == 0.0
+    assert over.engine_config().transfer_piece == "block"
+
+
+def test_a_hardware_file_without_the_new_keys_takes_its_gpus_figures(tmp_path: Path):
+    hw = (scenarios_dir() / "hardware" / "h200.toml").read_text()
+    keep = [line for line in hw.splitlines() if not line.startswith(("h2d_piece", "d2h_piece", "h2d_duplex",
+                                                                     "d2h_duplex", "host_"))]
+    (tmp_path / "old.toml").write_text("\n".join(keep) + "\n")
+    spec = load_run(write(tmp_path, MINIMAL + '[hardware]\nprofile = "old.toml"\n'))
+    h200 = GPU_PROFILES["h200"]
+    assert spec.h2d == h200.h2d and spec.d2h == h200.d2h
+    assert isinstance(spec.step_cost, RooflineStepModel) and spec.step_cost.host == h200.host
+
+
+@pytest.mark.parametrize(("extra", "key", "allowed"), [
+    ("[hardware]\nh2d_duplex_factor = 1.5\n", "hardware.h2d_duplex_factor", "1"),
+    ("[hardware]\nd2h_duplex_factor = 0\n", "hardware.d2h_duplex_factor", "0"),
+    ("[hardware]\nhost_step_s = -1.0\n", "hardware.host_step_s", "0"),
+    ("[hardware]\nh2d_piece_overhead_s = -1e-6\n", "hardware.h2d_piece_overhead_s", "0"),
+    ("[hardware]\nhost_per_request_s = \"fast\"\n", "hardware.host_per_request_s", "number"),
+])
+def test_bad_link_and_host_figures_are_one_line(tmp_path: Path, extra: str, key: str, allowed: str):
+    err = error_of(write(tmp_path, MINIMAL + extra))
+    assert err.key == key and allowed in err.allowed
+    assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize(("shape", "key", "allowed"), [
+    ("{ hidden_size = 1024, vocab_size = 32000 }", "model.shape.query_heads", ""),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16 }", "model.shape.intermediate_size",
+     "positive"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, params = 9 }",
+     "model.shape", "both"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, experts = 8, experts_per_token = 9, "
+     "expert_intermediate_size = 64 }", "model.shape.experts_per_token", "1 to 8"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, experts = 8, experts_per_token = 2 }",
+     "model.shape.expert_intermediate_size", "positive"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
+     "weight_dtype = \"fp6\" }", "model.shape.weight_dtype", "bf16"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, speed = 1 }",
+     "model.shape.speed", "hidden_size"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
+     "params = 10, active_params = 20 }", "model.shape.active_params", "<="),
+])
+def test_bad_shapes_are_one_line(tmp_path: Path, shape: str, key: str, allowed: str):
+    text = MINIMAL.replace('name = "hybrid-demo"', INLINE_GROUPS + f"shape = {shape}\n")
+    err = error_of(write(tmp_path, text))
+    assert err.key == key and allowed in err.allowed
+    assert "\n" not in str(err)
+
+
+def test_mamba_and_mla_groups_need_the_counts_and_the_state(tmp_path: Path):
+    mamba = INLINE_GROUPS.replace('{ kind = "sliding_window", tokens_per_block = 16, window = 128,',
+                                  '{ kind = "mamba", tokens_per_block = 16,')
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + SHAPE)))
+    assert err.key == "model.shape.params" and "active_params" in err.allowed
+    counted = SHAPE.replace("}", ", params = 10000000000, active_params = 1000000000 }")
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + counted)))
+    assert err.key == "model.shape.mamba_state_elements"
+    ok = counted.replace("}", ", mamba_state_elements = 65536 }")
+    spec = load_run(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + ok)))
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost.pair_flops[1] == 7 * 65536 * 18
+
+
+def test_cost_profile_must_name_a_shipped_model_with_a_shape(tmp_path: Path):
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\ncost_profile = "spec6"')))
+    assert err.key == "model.cost_profile" and "no [shape]" in err.problem and "llama-3.1-8b" in err.allowed
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\ncost_profile = "../etc/x"')))
+    assert err.key == "model.cost_profile"
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\nkv_transfer_piece = "page"')))
+    assert err.key == "model.kv_transfer_piece" and "layer" in err.allowed
