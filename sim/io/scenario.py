@@ -23,10 +23,13 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]
                           (with an optional label); cost_profile, params_b,
-                          weights_bytes override the model file's
+                          weights_bytes, shape = {...}, kv_transfer_piece
+                          ("layer" | "block") override the model file's
     [hardware]            profile ("h200": scenarios/hardware/<name>.toml, or a path);
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
-                          gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
+                          gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s,
+                          h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
+                          host_step_s, host_per_request_s
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
@@ -35,9 +38,10 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           | "mooncake" (path, or trace = a published trace's name, found in
                           $KVSIM_TRACES then the fetch cache; limit, time_scale (1.0),
                           block_tokens (512), arrival_jitter_s (0: off))
-    [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
-                          decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
-                          tensor_parallel (1)
+    [costs]               step ("auto": the roofline of the model's [shape] or its
+                          cost_profile's on the hardware's GPU | "zero" | {overhead_s,
+                          prefill_token_s, decode_seq_s, context_token_s}), transfer
+                          ("hardware" | "zero"), tensor_parallel (1)
     [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
                           timing (model | measured), memory_limit
     [output]              occupancy_interval_s (1.0), max_sim_time_s (none)
@@ -58,6 +62,14 @@ Derived quantities (documented simplifications)
       than 2 blocks the error names the smallest ``tensor_parallel`` of 1, 2,
       4, 8 (at most the profile's ``gpus_per_node``; dividing the KV heads as
       below) that leaves a pool, sizes in GiB.
+    * **Model shapes.** ``model/1`` ``[shape]`` (hidden size, query heads, MLP or
+      experts, vocabulary, mamba state; parameter counts derived from them and
+      the groups, or given) is the one home of a model's step-cost figures;
+      ``costs.step = "auto"`` builds :func:`sim.model.costs.roofline_step_model`
+      from it (or from the ``cost_profile`` model's) and the hardware's GPU;
+      the default GPU KV budget takes its weights when neither
+      ``weights_bytes`` nor ``params_b`` is given. Link and host figures absent
+      from a ``hardware/1`` file take its GPU profile's (``docs/costs.md``).
     * **Host RAM.** The CPU cache (``capacity``, or ``chunks`` x slot bytes) is
       refused beyond the profile's ``cpu_ram_bytes`` (the whole node), and
       accepted with one line in :attr:`RunSpec.warnings` (summary key
@@ -82,10 +94,12 @@ Derived quantities (documented simplifications)
     * **Resolved scenario** (:meth:`RunSpec.resolved_toml`, the results
       folder's ``scenario.toml``): every default filled in, the model inlined
       (``label`` = its name), hardware values explicit, sizes in bytes, the
-      step model as its four numbers, the trace path absolute (a trace named
+      trace path absolute (a trace named
       by ``trace``: its name and the content's ``sha256``, the same on every
-      machine; loading checks the digest). Loading it gives the same engine
-      configuration and request stream.
+      machine; loading checks the digest); the step model as given ("auto",
+      "zero" or its table), the model's own ``shape`` inlined and the link and
+      host figures explicit. Loading it gives the same engine configuration
+      and request stream.
     * **Overrides.** ``--set a.b=v`` parses ``v`` as a TOML value (a bare
       string if that fails) and sets it before validation. Setting one key of
       an exclusive pair (``cpu_cache.capacity``/``chunks``,
