@@ -251,3 +251,18 @@ def test_piece_overhead_and_the_bandwidth_curve() -> None:
 def test_transfer_rejects_bad_duplex_factor(factor: float) -> None:
     with pytest.raises(ValueError, match="duplex_factor"):
         TransferModel(1e9, 0.0, 0.0, factor)
+
+
+counts = st.integers(min_value=0, max_value=10**6)
+
+
+@given(counts, counts, counts, st.integers(0, 10**12), counts, counts)
+def test_roofline_time_is_monotone_in_every_input(p: int, d: int, n: int, kv: int, a: int, b: int) -> None:
+    m = RooflineStepModel(2e9, 5e8, (3e4, 7e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5))
+    base = StepLoad(p, d, 0.0, n, kv, (a, b))
+    t = m.time(base)
+    assert t >= 1e-3 + 2e-5 * n
+    more = [{"prefill_tokens": p + 1}, {"decode_seqs": d + 1}, {"requests": n + 1},
+            {"kv_read_bytes": kv + 10**6}, {"pairs": (a + 1, b)}, {"pairs": (a, b + 1)}]
+    for change in more:
+        assert m.time(dataclasses.replace(base, **change)) >= t  # type: ignore[arg-type]
