@@ -484,7 +484,7 @@ PCIE_H2D_DUPLEX_FACTOR = 0.47
 PCIE_D2H_DUPLEX_FACTOR = 0.95
 #: The engine's host time per step and per scheduled request (sources in docs/costs.md).
 HOST_STEP_S = 1.4e-3
-HOST_PER_REQUEST_S = 12.7e-6
+HOST_PER_REQUEST_S = 15e-6
 
 _PCIE_SOURCES = (
     "https://www.nvidia.com/en-us/data-center/h100/: PCIe Gen5 128 GB/s (both directions, i.e. 64 GB/s each)",
@@ -499,6 +499,8 @@ _PCIE_SOURCES = (
 _HOST_SOURCES = (
     "docs/costs.md sanity check: NIM Llama-3.1-8B batch-1 ITL 4.37 ms vs the 3.0 ms HBM floor at 8-bit "
     "weights: about 1.4 ms of host and launch time per step (inference, not a measurement)",
+    "benchmarks/vllm_scheduler_overhead.py: vLLM 0.33.0's Scheduler on CPU (schedule + "
+    "update_from_output), all-decode, 15.1 us per running request (fit over 8-256; a shared 2-CPU VM)",
     "https://github.com/openfabric-systems/simllm/pull/204: vLLM 0.27.1 scheduler, all-decode, "
     "12.7 us per running request at the cap",
 )
