@@ -30,8 +30,9 @@ What it models
         3. the connector's metadata: block ids, stale-entry zeroing and flush
            fences (spec §7.6), store jobs of the scheduled requests and of the
            requests finished in the previous step (which are then released);
-           the cost model's inputs (prefill tokens, decode sequences,
-           attended context).
+           the step load, the step model's input (prefill tokens, decode
+           sequences, scheduled requests, KV bytes attended and, per group,
+           the query-key pairs of the step: :class:`AttendedContext`).
 
     The engine then flushes, submits the plan's transfers and waits the step
     time (spec §8.3).
