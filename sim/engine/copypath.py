@@ -85,7 +85,10 @@ Simplifications relative to vLLM
     * vLLM copies each page with its own DMA descriptor
       (``cuMemcpyBatchAsync`` / Triton), with no host-side gather; the host
       gather/scatter here makes measured CUDA times pessimistic for small
-      pages. ``kvsim calibrate`` measures exactly this path.
+      pages. ``kvsim calibrate`` measures exactly this path. The cost model
+      (``timing = "model"``) charges vLLM's pieces instead: one page per layer
+      per block, or one packed block (:func:`sim.model.costs.pieces_per_block`,
+      ``docs/costs.md``).
 
 Invariants
     * A row that was never written is all zeros, and ``fp`` is never 0, so a

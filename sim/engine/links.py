@@ -4,8 +4,17 @@ time) and the copy path's hooks.
 What it models
     One direction of the PCIe link between GPU and CPU memory (``h2d``
     loads, ``d2h`` stores). A link runs its jobs one at a time in submission
-    order; a job takes ``latency + bytes / bandwidth`` (:class:`TransferModel`)
-    or, with the copy path's measured timing, the measured time of its copy.
+    order; a job alone on the link takes ``latency + pieces x piece_overhead
+    + bytes / bandwidth`` (:meth:`TransferModel.time`; ``pieces`` are the
+    separate copies vLLM makes, a page per layer per block) or, with the copy
+    path's measured timing, the measured time of its copy.
+
+    *Duplex.* While the other direction also has a job in progress, a job
+    progresses at ``duplex_factor`` of its solo rate (measured bidirectional
+    copies fall below twice the one-way peak, H2D more than D2H; sources in
+    docs/costs.md): whenever the other link starts or finishes a job, the
+    remaining solo time is rescaled and the completion moved. With both
+    factors 1 (or measured timing) a job takes exactly its solo time.
     A job's completion is an ``URGENT`` event (see the priorities below) and
     is handed to the engine, which reports it at the end of the step.
 
@@ -19,7 +28,9 @@ What it models
     reads after a load (each bad block reported once).
 
 Simplifications
-    * No contention between the two directions; no per-chunk pipelining
+    * The duplex slowdown applies to a job's whole solo time (its latency
+      and piece overheads too), and only the busy/idle state of the other
+      direction matters, not how much it moves; no per-chunk pipelining
       inside a job.
 
 Invariants
@@ -80,6 +91,8 @@ class Transfer:
     flushed: bool = False
     done: simpy.Event | None = None
     plan: LoadPlan | StorePlan | None = None
+    #: separate copies of the job (see :meth:`TransferModel.time`)
+    pieces: int = 0
 
 
 class Link:
@@ -108,6 +121,10 @@ class Link:
         self.current: Transfer | None = None
         self.busy_s = 0.0
         self._wake: simpy.Event | None = None
+        #: the opposite direction (set by the engine); its busy state slows this link's jobs
+        self.other: Link | None = None
+        #: fired when the other link starts or finishes a job while this one waits on a job
+        self._changed: simpy.Event | None = None
         env.process(self._run())
 
     def submit(self, x: Transfer) -> None:
@@ -135,18 +152,51 @@ class Link:
             x = self.queue.popleft()
             self.current = x
             x.start_s = env.now
-            dur = self.model.time(x.nbytes)
+            self._poke_other()
+            dur = self.model.time(x.nbytes, x.pieces)
             if self.copy is not None and self.measured:
                 dur = self.copy(x)
-            x.end_s = env.now + dur
-            yield At(env, dur, URGENT)
+                x.end_s = env.now + dur
+                yield At(env, dur, URGENT)
+            elif self.model.duplex_factor == 1.0 or self.other is None:
+                x.end_s = env.now + dur
+                yield At(env, dur, URGENT)
+            else:
+                yield from self._shared(x, dur)
+                dur = env.now - x.start_s
             if self.copy is not None and not self.measured:
                 self.copy(x)
             self.busy_s += dur
             self.current = None
+            self._poke_other()
             self.on_done(x)
             assert x.done is not None
             x.done.succeed()
+
+    def _shared(self, x: Transfer, solo_s: float) -> Proc:
+        """Run ``x`` (``solo_s`` seconds alone) at the duplex rate while the other link is busy."""
+        env = self.env
+        other = self.other
+        assert other is not None
+        remaining = solo_s
+        while True:
+            rate = self.model.duplex_factor if other.current is not None else 1.0
+            t0 = env.now
+            wait = remaining / rate
+            x.end_s = t0 + wait
+            self._changed = changed = env.event()
+            done = At(env, wait, URGENT)
+            yield done | changed
+            self._changed = None
+            if done.processed:    # (an ``At`` counts as triggered from its creation)
+                return
+            remaining = max(0.0, remaining - (env.now - t0) * rate)
+
+    def _poke_other(self) -> None:
+        """This link started or finished a job: the other one's rate changes."""
+        o = self.other
+        if o is not None and o._changed is not None and not o._changed.triggered:
+            o._changed.succeed()
 
 
 class CopyHooks:

@@ -19,7 +19,8 @@ What it models
         * *engine*: the step loop below;
         * *links* (:mod:`sim.engine.links`): one per direction (``h2d``
           loads, ``d2h`` stores), each a serial in-order queue; a job takes
-          ``latency + bytes / bandwidth``.
+          ``latency + pieces x piece overhead + bytes / bandwidth``, slowed
+          by the duplex factor while the other direction is busy.
 
     One engine step (vLLM ``schedule`` -> workers -> ``update_from_output``)
         1. ``Scheduler.schedule``: the step's batch, admissions, preemptions,
@@ -187,6 +188,7 @@ class Engine:
             hooks.computed, hooks.promoted, hooks.load_done = data.write, data.verify_read, data.verify_load
         self.h2d = Link(self.env, "h2d", cfg.h2d, self._completed, copy_fn, measured)
         self.d2h = Link(self.env, "d2h", cfg.d2h, self._completed, copy_fn, measured)
+        self.h2d.other, self.d2h.other = self.d2h, self.h2d
         self.xfers: dict[int, Transfer] = {}
         self.deferred_stores: list[Transfer] = []
         self._done: dict[str, simpy.Event] = {}
@@ -309,7 +311,7 @@ class Engine:
         for j in plan.loads:
             self.h2d.submit(self._transfer(j))
         if plan.scheduled:
-            dur = self.cfg.step_cost.step_time(plan.prefill_tokens, plan.decode_seqs, plan.context_tokens)
+            dur = self.cfg.step_cost.time(plan.load)
             yield At(env, dur, LATE)
         self.deferred_stores.extend(x for x in new_stores if x.job_id not in plan.flush)
         out = sched.update_from_output(env.now, plan, self._poll())
@@ -388,7 +390,8 @@ class Engine:
     # -- transfers ---------------------------------------------------------------------
 
     def _transfer(self, j: TransferJob) -> Transfer:
-        x = Transfer(j.job_id, j.req_id, j.direction, j.chunks, j.blocks, j.nbytes, plan=j.plan)
+        x = Transfer(j.job_id, j.req_id, j.direction, j.chunks, j.blocks, j.nbytes, plan=j.plan,
+                     pieces=j.pieces)
         self.xfers[j.job_id] = x
         return x
 

@@ -68,6 +68,7 @@ class VllmEngine(Engine):
         self.copy = None
         self.h2d = Link(self.env, "h2d", cfg.h2d, self._completed, None, False)
         self.d2h = Link(self.env, "d2h", cfg.d2h, self._completed, None, False)
+        self.h2d.other, self.d2h.other = self.d2h, self.h2d
         self.xfers: dict[int, Transfer] = {}
         self.deferred_stores: list[Transfer] = []
         self._done: dict[str, simpy.Event] = {}
@@ -144,7 +145,7 @@ class VllmEngine(Engine):
         self._submit(jobs, waited)
         yield from self._wait_for(waited)
         if step.scheduled:
-            dur = self.cfg.step_cost.step_time(step.prefill_tokens, step.decode_seqs, step.context_tokens)
+            dur = self.cfg.step_cost.time(step.load)
             yield At(env, dur, LATE)
         completed = self._poll_ids()
         finished = real.update_from_output(env.now, step, completed)
@@ -160,15 +161,16 @@ class VllmEngine(Engine):
         if did:
             self.step_no += 1
             self.summary.step_rows += 1
-            self.rec.add(StepRow(self.step_no - 1, nsteps, start, env.now - start, step.prefill_tokens,
-                                 step.decode_seqs, step.context_tokens, len(real.sched.running),
+            load = step.load
+            self.rec.add(StepRow(self.step_no - 1, nsteps, start, env.now - start, load.prefill_tokens,
+                                 load.decode_seqs, load.context_tokens, len(real.sched.running),
                                  real.num_waiting, step.loads, step.stores, step.preempted, real.gpu_used))
         self._sample()
         return did
 
     def _submit(self, jobs: list[RealJob], waited: set[int]) -> None:
         for j in jobs:
-            x = Transfer(j.job_id, j.req_id, j.direction, j.chunks, j.blocks, j.nbytes)
+            x = Transfer(j.job_id, j.req_id, j.direction, j.chunks, j.blocks, j.nbytes, pieces=j.pieces)
             x.flushed = j.job_id in waited and j.direction == "d2h"
             self.xfers[j.job_id] = x
             (self.h2d if j.direction == "h2d" else self.d2h).submit(x)

@@ -25,10 +25,13 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]
                           (with an optional label); cost_profile, params_b,
-                          weights_bytes override the model file's
+                          weights_bytes, shape = {...}, kv_transfer_piece
+                          ("layer" | "block") override the model file's
     [hardware]            profile ("h200": scenarios/hardware/<name>.toml, or a path);
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
-                          gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
+                          gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s,
+                          h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
+                          host_step_s, host_per_request_s
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
@@ -38,9 +41,10 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           | "mooncake" (path, or trace = a published trace's name, found in
                           $KVSIM_TRACES then the fetch cache; limit, time_scale (1.0),
                           block_tokens (512), arrival_jitter_s (0: off))
-    [costs]               step ("auto" | "zero" | {overhead_s, prefill_token_s,
-                          decode_seq_s, context_token_s}), transfer ("hardware" | "zero"),
-                          tensor_parallel (1)
+    [costs]               step ("auto": the roofline of the model's [shape] or its
+                          cost_profile's on the hardware's GPU | "zero" | {overhead_s,
+                          prefill_token_s, decode_seq_s, context_token_s}), transfer
+                          ("hardware" | "zero"), tensor_parallel (1)
     [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
                           timing (model | measured), memory_limit
     [output]              occupancy_interval_s (1.0), max_sim_time_s (none)
@@ -61,6 +65,14 @@ Derived quantities (documented simplifications)
       than 2 blocks the error names the smallest ``tensor_parallel`` of 1, 2,
       4, 8 (at most the profile's ``gpus_per_node``; dividing the KV heads as
       below) that leaves a pool, sizes in GiB.
+    * **Model shapes.** ``model/1`` ``[shape]`` (hidden size, query heads, MLP or
+      experts, vocabulary, mamba state; parameter counts derived from them and
+      the groups, or given) is the one home of a model's step-cost figures;
+      ``costs.step = "auto"`` builds :func:`sim.model.costs.roofline_step_model`
+      from it (or from the ``cost_profile`` model's) and the hardware's GPU;
+      the default GPU KV budget takes its weights when neither
+      ``weights_bytes`` nor ``params_b`` is given. Link and host figures absent
+      from a ``hardware/1`` file take its GPU profile's (``docs/costs.md``).
     * **Host RAM.** The CPU cache (``capacity``, or ``chunks`` x slot bytes) is
       refused beyond the profile's ``cpu_ram_bytes`` (the whole node), and
       accepted with one line in :attr:`RunSpec.warnings` (summary key
@@ -85,10 +97,12 @@ Derived quantities (documented simplifications)
     * **Resolved scenario** (:meth:`RunSpec.resolved_toml`, the results
       folder's ``scenario.toml``): every default filled in, the model inlined
       (``label`` = its name), hardware values explicit, sizes in bytes, the
-      step model as its four numbers, the trace path absolute (a trace named
+      trace path absolute (a trace named
       by ``trace``: its name and the content's ``sha256``, the same on every
-      machine; loading checks the digest). Loading it gives the same engine
-      configuration and request stream.
+      machine; loading checks the digest); the step model as given ("auto",
+      "zero" or its table), the model's own ``shape`` inlined and the link and
+      host figures explicit. Loading it gives the same engine configuration
+      and request stream.
     * **Overrides.** ``--set a.b=v`` parses ``v`` as a TOML value (a bare
       string if that fails) and sets it before validation. Setting one key of
       an exclusive pair (``cpu_cache.capacity``/``chunks``,
@@ -171,13 +185,18 @@ from sim.io.workload import (
     validate_uniform,
 )
 from sim.model.costs import (
+    DEFAULT_MBU,
+    DEFAULT_MFU,
     GPU_PROFILES,
-    MODEL_COST_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
+    HostOverhead,
+    ModelShape,
+    RooflineStepModel,
     StepCostModel,
+    StepTimeModel,
     TransferModel,
-    step_model_for,
+    roofline_step_model,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
 from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutError
@@ -185,7 +204,7 @@ from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutErro
 if TYPE_CHECKING:
     from sim.engine.loop import EngineConfig
     from sim.io.workload import MultiTurnParams, Request
-    from sim.model.costs import StepCostModel, TransferModel
+    from sim.model.costs import StepTimeModel, TransferModel
 
 __all__ = [
     "HARDWARE_WARNINGS_KEY",
@@ -197,6 +216,7 @@ __all__ = [
     "parse_bandwidth",
     "parse_size",
     "scenarios_dir",
+    "step_model_for",
 ]
 
 SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
@@ -336,12 +356,61 @@ class ModelGroup(GroupEntry):
     mla: bool = Field(default=False, description="MLA: one latent vector per token instead of K and V")
 
 
+class ShapeSection(Strict):
+    """``[shape]`` of a model: what its step cost needs besides the KV groups (config.json figures)."""
+
+    hidden_size: int = Field(gt=0, le=MAX_TOKENS, description="hidden_size")
+    vocab_size: int = Field(gt=0, le=MAX_TOKENS, description="vocab_size")
+    query_heads: int = Field(gt=0, le=65536, description="num_attention_heads of every attention layer")
+    intermediate_size: int = Field(default=0, ge=0, le=MAX_TOKENS,
+                                   description="dense gated MLP intermediate_size (0: all layers MoE)")
+    tied_embeddings: bool = Field(default=False, description="tie_word_embeddings")
+    experts: int = Field(default=0, ge=0, le=65536, description="routed experts per MoE layer (0: dense)")
+    experts_per_token: int = Field(default=0, ge=0, le=65536, description="experts activated per token")
+    expert_intermediate_size: int = Field(default=0, ge=0, le=MAX_TOKENS,
+                                          description="intermediate size of one expert")
+    shared_expert_intermediate_size: int = Field(default=0, ge=0, le=MAX_TOKENS,
+                                                 description="intermediate size of the shared expert")
+    mamba_state_elements: int = Field(default=0, ge=0, le=MAX_BYTES,
+                                      description="recurrent-state elements of one mamba layer")
+    params: int | None = Field(default=None, gt=0, le=MAX_BYTES,
+                               description="total parameters (instead of the derived count)")
+    active_params: int | None = Field(default=None, gt=0, le=MAX_BYTES,
+                                      description="parameters per token, embeddings included")
+    weight_dtype: Annotated[str, BeforeValidator(_check_dtype)] = Field(
+        default="bf16", description="dtype of the weights (weights_bytes overrides)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShapeSection:
+        if (self.params is None) != (self.active_params is None):
+            raise _ProblemError("only one of params, active_params given", "both of them, or neither")
+        if self.params is not None and self.active_params is not None and self.active_params > self.params:
+            raise _ProblemError(f"active_params {self.active_params} > params {self.params}",
+                                "active_params <= params", "active_params")
+        if self.experts and not (0 < self.experts_per_token <= self.experts):
+            raise _ProblemError(f"experts_per_token {self.experts_per_token} with {self.experts} experts",
+                                f"1 to {self.experts}", "experts_per_token")
+        if self.experts and self.expert_intermediate_size == 0:
+            raise _ProblemError("experts without expert_intermediate_size", "a positive size",
+                                "expert_intermediate_size")
+        if not self.experts and self.params is None and self.intermediate_size == 0:
+            raise _ProblemError("a dense model without intermediate_size", "a positive size, or experts, "
+                                "or params and active_params", "intermediate_size")
+        return self
+
+
 class _ModelInfo(Strict):
-    cost_profile: str | None = Field(default=None, description="key of sim.model.costs.MODEL_COST_PROFILES")
+    cost_profile: str | None = Field(
+        default=None, description="a shipped model (scenarios/models/<name>.toml) whose [shape] the step "
+        "cost borrows when the model has none")
     params_b: float | None = Field(default=None, gt=0,
                                    description="parameters in billions (weights estimate)")
     weights_bytes: Size | None = Field(default=None, gt=0,
-                                       description="weight bytes; else params_b x 2 (bf16)")
+                                       description="weight bytes; else params_b x 2 (bf16), else from shape")
+    shape: ShapeSection | None = Field(default=None, description="shapes for the step cost (costs.step auto)")
+    kv_transfer_piece: Literal["layer", "block"] | None = Field(
+        default=None, description='copies vLLM makes per GPU block: "layer" (a page per layer, the '
+        'default) or "block" (one packed block)')
 
 
 class ModelFile(_ModelInfo):
@@ -386,6 +455,18 @@ class HardwareFile(Strict):
     d2h_bandwidth: Bandwidth = Field(gt=0, description="device-to-host bytes/s per GPU")
     h2d_latency_s: float = Field(ge=0, description="fixed cost of one load job")
     d2h_latency_s: float = Field(ge=0, description="fixed cost of one store job")
+    h2d_piece_overhead_s: float | None = Field(
+        default=None, ge=0, le=1, description="fixed cost of each copy of a load job (default: the GPU's)")
+    d2h_piece_overhead_s: float | None = Field(
+        default=None, ge=0, le=1, description="fixed cost of each copy of a store job (default: the GPU's)")
+    h2d_duplex_factor: float | None = Field(
+        default=None, gt=0, le=1, description="rate kept by a load while stores run (default: the GPU's)")
+    d2h_duplex_factor: float | None = Field(
+        default=None, gt=0, le=1, description="rate kept by a store while loads run (default: the GPU's)")
+    host_step_s: float | None = Field(
+        default=None, ge=0, le=1, description="engine host time per step (default: the GPU's)")
+    host_per_request_s: float | None = Field(
+        default=None, ge=0, le=1, description="engine host time per scheduled request (default: the GPU's)")
 
 
 class HardwareSection(Strict):
@@ -401,6 +482,12 @@ class HardwareSection(Strict):
     d2h_bandwidth: Bandwidth | None = Field(default=None, gt=0)
     h2d_latency_s: float | None = Field(default=None, ge=0)
     d2h_latency_s: float | None = Field(default=None, ge=0)
+    h2d_piece_overhead_s: float | None = Field(default=None, ge=0, le=1)
+    d2h_piece_overhead_s: float | None = Field(default=None, ge=0, le=1)
+    h2d_duplex_factor: float | None = Field(default=None, gt=0, le=1)
+    d2h_duplex_factor: float | None = Field(default=None, gt=0, le=1)
+    host_step_s: float | None = Field(default=None, ge=0, le=1)
+    host_per_request_s: float | None = Field(default=None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _pool(self) -> HardwareSection:
@@ -940,6 +1027,12 @@ class ResolvedModel:
     weights_bytes: int | None
     source: str  #: the file the groups came from (for error messages)
     prefix: str  #: key prefix of the groups in that file ("" or "model.")
+    shape: ShapeSection | None = None  #: the model's own [shape]
+    kv_transfer_piece: Literal["layer", "block"] = "layer"
+    #: the shape the step cost uses: the own one, else the cost_profile model's, with the
+    #: groups and weight bytes its parameter count refers to
+    cost_shape: ModelShape | None = None
+    cost_groups: tuple[ModelGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -957,6 +1050,12 @@ class ResolvedHardware:
     d2h_latency_s: float
     cpu_ram_bytes: int | None = None  #: host RAM of the node (the profile's; no override)
     gpus_per_node: int | None = None  #: GPUs of the node (the profile's; no override)
+    h2d_piece_overhead_s: float = 0.0
+    d2h_piece_overhead_s: float = 0.0
+    h2d_duplex_factor: float = 1.0
+    d2h_duplex_factor: float = 1.0
+    host_step_s: float = 0.0
+    host_per_request_s: float = 0.0
 
 
 def _available(folder: str) -> str:
@@ -973,8 +1072,70 @@ def load_model_file(path: Path) -> ModelFile:
     mf = _validate(ModelFile, data, source)
     tph = math.gcd(*(g.tokens_per_block for g in mf.groups))
     _layout(mf.groups, tph, 1, 1, source, "")
+    if mf.shape is not None:
+        model_shape(mf.name, mf.shape, mf.groups, mf.weights_bytes, source, "")
     if mf.cost_profile is not None:
-        _check_cost_profile(mf.cost_profile, source, "cost_profile")
+        _cost_profile(mf.cost_profile, source, "cost_profile")
+    return mf
+
+
+def model_shape(name: str, shape: ShapeSection, groups: Sequence[ModelGroup], weights_bytes: int | None,
+                source: str, prefix: str) -> ModelShape:
+    """The model layer's :class:`~sim.model.costs.ModelShape` of a ``[shape]`` table, checked
+    against the model's groups (a parameter count it can derive, a mamba state size).
+
+    Raises:
+        InputError: the shape does not cover the groups.
+    """
+    ms = ModelShape(name=name, hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
+                    query_heads=shape.query_heads, intermediate_size=shape.intermediate_size,
+                    tied_embeddings=shape.tied_embeddings, experts=shape.experts,
+                    experts_per_token=shape.experts_per_token,
+                    expert_intermediate_size=shape.expert_intermediate_size,
+                    shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                    mamba_state_elements=shape.mamba_state_elements, params=shape.params,
+                    active_params=shape.active_params, weight_bytes=weights_bytes,
+                    weight_dtype_bytes=DTYPE_BYTES[shape.weight_dtype])
+    specs = [group_spec(g, 1) for g in groups]
+    if shape.params is None and any(g.mla or g.kind == "mamba" for g in groups):
+        raise InputError(source, f"{prefix}shape.params", "the parameter count of a model with mamba or "
+                         "MLA groups is not derived from the shapes", "params and active_params (config "
+                         "recount or model card)")
+    if any(g.kind == "mamba" for g in groups) and shape.mamba_state_elements == 0:
+        raise InputError(source, f"{prefix}shape.mamba_state_elements", "the model has mamba groups",
+                         "the recurrent-state elements of one layer (heads x key dim x value dim)")
+    total, active = ms.param_counts(specs)
+    if not 0 < active <= total:
+        raise InputError(source, f"{prefix}shape", f"derived {active} active of {total} parameters",
+                         "shapes that give 0 < active <= total parameters")
+    if active <= ms.embedding_params * (1 if ms.tied_embeddings else 2):
+        raise InputError(source, f"{prefix}shape", f"{active} active parameters are no more than the "
+                         "embedding tables", "active_params that include the embeddings and the layers")
+    return ms
+
+
+def _shipped_shapes() -> str:
+    d = scenarios_dir() / "models"
+    names = []
+    for f in sorted(d.glob("*.toml")):
+        try:
+            if isinstance(read_toml(f).get("shape"), dict):
+                names.append(f.stem)
+        except InputError:  # pragma: no cover - shipped files are valid (tested)
+            continue
+    return ", ".join(names) if names else "(none shipped)"
+
+
+def _cost_profile(name: str, source: str, key: str) -> ModelFile:
+    """The shipped model file a ``cost_profile`` names (it must have a ``[shape]``)."""
+    path = scenarios_dir() / "models" / f"{name}.toml"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or not path.is_file():
+        raise InputError(source, key, f"{name!r} is not a known model cost profile",
+                         f"a shipped model with a [shape]: {_shipped_shapes()}")
+    mf = load_model_file(path)
+    if mf.shape is None:
+        raise InputError(source, key, f"model {name!r} has no [shape]",
+                         f"a shipped model with a [shape]: {_shipped_shapes()}")
     return mf
 
 
@@ -988,12 +1149,6 @@ def load_hardware_file(path: Path) -> HardwareFile:
     if hw.gpu not in GPU_PROFILES:
         raise InputError(source, "gpu", f"{hw.gpu!r} is not a known GPU profile", ", ".join(GPU_PROFILES))
     return hw
-
-
-def _check_cost_profile(name: str, source: str, key: str) -> None:
-    if name not in MODEL_COST_PROFILES:
-        raise InputError(source, key, f"{name!r} is not a known model cost profile",
-                         ", ".join(MODEL_COST_PROFILES))
 
 
 def _resolve_model(sec: ModelSection, base: Path, source: str) -> ResolvedModel:
@@ -1016,13 +1171,26 @@ def _resolve_model(sec: ModelSection, base: Path, source: str) -> ResolvedModel:
         mf_groups, label, file_info = tuple(mf.groups), mf.name, mf
         msource, prefix = str(path), ""
     cost = sec.cost_profile if sec.cost_profile is not None else file_info.cost_profile
-    if sec.cost_profile is not None:
-        _check_cost_profile(sec.cost_profile, source, "model.cost_profile")
+    weights = sec.weights_bytes if sec.weights_bytes is not None else file_info.weights_bytes
+    shape = sec.shape if sec.shape is not None else file_info.shape
+    piece = sec.kv_transfer_piece or file_info.kv_transfer_piece or "layer"
+    cost_shape: ModelShape | None = None
+    cost_groups: tuple[ModelGroup, ...] = ()
+    if shape is not None:
+        where = (source, "model.") if sec.shape is not None or sec.groups is not None else (msource, "")
+        cost_shape = model_shape(label, shape, mf_groups, weights, *where)
+        cost_groups = mf_groups
+    elif cost is not None:
+        key = "model.cost_profile" if sec.cost_profile is not None else "cost_profile"
+        other = _cost_profile(cost, source if sec.cost_profile is not None else msource, key)
+        assert other.shape is not None
+        cost_shape = model_shape(other.name, other.shape, other.groups, other.weights_bytes, source, key)
+        cost_groups = tuple(other.groups)
     return ResolvedModel(
         label=label, groups=mf_groups, cost_profile=cost,
         params_b=sec.params_b if sec.params_b is not None else file_info.params_b,
-        weights_bytes=sec.weights_bytes if sec.weights_bytes is not None else file_info.weights_bytes,
-        source=msource, prefix=prefix)
+        weights_bytes=weights, source=msource, prefix=prefix, shape=shape, kv_transfer_piece=piece,
+        cost_shape=cost_shape, cost_groups=cost_groups)
 
 
 def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> ResolvedHardware:
@@ -1040,6 +1208,7 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
                              f"{_available('hardware')}, or a path to a hardware/1 file")
         profile = p
     hw = load_hardware_file(path)
+    g = GPU_PROFILES[hw.gpu]
 
     def pick(over: Any, default: Any) -> Any:
         return default if over is None else over
@@ -1051,7 +1220,15 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         d2h_bandwidth=pick(sec.d2h_bandwidth, hw.d2h_bandwidth),
         h2d_latency_s=pick(sec.h2d_latency_s, hw.h2d_latency_s),
         d2h_latency_s=pick(sec.d2h_latency_s, hw.d2h_latency_s),
-        cpu_ram_bytes=hw.cpu_ram_bytes, gpus_per_node=hw.gpus_per_node)
+        cpu_ram_bytes=hw.cpu_ram_bytes, gpus_per_node=hw.gpus_per_node,
+        h2d_piece_overhead_s=pick(sec.h2d_piece_overhead_s,
+                                  pick(hw.h2d_piece_overhead_s, g.h2d.piece_overhead_s)),
+        d2h_piece_overhead_s=pick(sec.d2h_piece_overhead_s,
+                                  pick(hw.d2h_piece_overhead_s, g.d2h.piece_overhead_s)),
+        h2d_duplex_factor=pick(sec.h2d_duplex_factor, pick(hw.h2d_duplex_factor, g.h2d.duplex_factor)),
+        d2h_duplex_factor=pick(sec.d2h_duplex_factor, pick(hw.d2h_duplex_factor, g.d2h.duplex_factor)),
+        host_step_s=pick(sec.host_step_s, pick(hw.host_step_s, g.host.step_s)),
+        host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)))
 
 
 def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
@@ -1106,7 +1283,7 @@ class RunSpec:
     gpu_blocks: int
     cpu_chunks: int
     cpu_slot_bytes: int
-    step_cost: StepCostModel
+    step_cost: StepTimeModel
     h2d: TransferModel
     d2h: TransferModel
     workload_path: Path | None
@@ -1155,6 +1332,7 @@ class RunSpec:
             eviction=_eviction(sc.cpu_cache.policy), window_logic=sc.window_logic,
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
+            transfer_piece=self.model.kv_transfer_piece,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
             block_accounting=s.block_accounting, decisions=sc.decisions,
             reserve_full_isl=s.reserve_full_isl)
@@ -1219,6 +1397,9 @@ class RunSpec:
         for key in ("cost_profile", "params_b", "weights_bytes"):
             if getattr(m, key) is not None:
                 model[key] = getattr(m, key)
+        model["kv_transfer_piece"] = m.kv_transfer_piece
+        if m.shape is not None:
+            model["shape"] = m.shape.model_dump(exclude_none=True)
         model["groups"] = [g.model_dump(exclude_none=True) for g in m.groups]
         out["model"] = model
         hw = self.hardware
@@ -1229,7 +1410,8 @@ class RunSpec:
             assert self.gpu_kv_bytes is not None
             hardware["gpu_kv_bytes"] = self.gpu_kv_bytes
         for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
-                    "d2h_latency_s"):
+                    "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
+                    "d2h_duplex_factor", "host_step_s", "host_per_request_s"):
             hardware[key] = getattr(hw, key)
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
@@ -1252,10 +1434,12 @@ class RunSpec:
                     workload[key] = getattr(wl, key)
         out["workload"] = workload
         c = self.step_cost
-        out["costs"] = {
-            "step": {"overhead_s": float(c.overhead_s), "prefill_token_s": float(c.prefill_token_s),
-                     "decode_seq_s": float(c.decode_seq_s), "context_token_s": float(c.context_token_s)},
-            "transfer": sc.costs.transfer, "tensor_parallel": sc.costs.tensor_parallel}
+        step: Any = sc.costs.step if isinstance(sc.costs.step, str) else None
+        if isinstance(c, StepCostModel) and step is None:
+            step = {"overhead_s": float(c.overhead_s), "prefill_token_s": float(c.prefill_token_s),
+                    "decode_seq_s": float(c.decode_seq_s), "context_token_s": float(c.context_token_s)}
+        out["costs"] = {"step": step, "transfer": sc.costs.transfer,
+                        "tensor_parallel": sc.costs.tensor_parallel}
         out["copy_path"] = sc.copy_path.model_dump(exclude_none=True)
         out["output"] = sc.output.model_dump(exclude_none=True)
         return out
@@ -1300,28 +1484,52 @@ def _eviction(policy: str) -> Any:
     return EvictionPolicy(policy)
 
 
-def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, source: str) -> StepCostModel:
+def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layout: Layout,
+               source: str) -> StepTimeModel:
     step = sc.costs.step
     if step == "zero":
         return ZERO_STEP
     if isinstance(step, StepTable):
         return StepCostModel(step.overhead_s, step.prefill_token_s, step.decode_seq_s, step.context_token_s)
-    if model.cost_profile is None:
-        raise InputError(source, "costs.step", f"'auto' needs a model cost_profile; model {model.label!r} "
-                         "has none", '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
-                         'context_token_s}, or model.cost_profile')
-    try:
-        return step_model_for(hw.gpu, model.cost_profile, tensor_parallel=sc.costs.tensor_parallel)
-    except KeyError as exc:
-        raise InputError(source, "costs.step", f"'auto': no step-time model for GPU {hw.gpu!r} and model "
-                         f"{model.cost_profile!r} ({exc})", '"zero" or an inline table') from None
+    if model.cost_shape is None:
+        raise InputError(source, "costs.step", f"'auto' needs the model's [shape]; model {model.label!r} "
+                         "has none and no cost_profile",
+                         '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
+                         'context_token_s}, model.shape, or model.cost_profile')
+    host = HostOverhead(hw.host_step_s, hw.host_per_request_s)
+    return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
+                               param_groups=[group_spec(g, 1) for g in model.cost_groups],
+                               tensor_parallel=sc.costs.tensor_parallel, mfu=DEFAULT_MFU, mbu=DEFAULT_MBU,
+                               host=host)
 
 
 def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:
     if sc.costs.transfer == "zero":
         return ZERO_TRANSFER, ZERO_TRANSFER
-    return (TransferModel(float(hw.h2d_bandwidth), hw.h2d_latency_s),
-            TransferModel(float(hw.d2h_bandwidth), hw.d2h_latency_s))
+    return (TransferModel(float(hw.h2d_bandwidth), hw.h2d_latency_s, hw.h2d_piece_overhead_s,
+                          hw.h2d_duplex_factor),
+            TransferModel(float(hw.d2h_bandwidth), hw.d2h_latency_s, hw.d2h_piece_overhead_s,
+                          hw.d2h_duplex_factor))
+
+
+def step_model_for(gpu: str, model: str, *, tensor_parallel: int = 1, tokens_per_hash: int = 16
+                   ) -> RooflineStepModel:
+    """The ``costs.step = "auto"`` model of the shipped ``model`` on ``gpu`` (its GPU
+    profile's host overhead), as a run on the shipped hardware profile of that GPU gets it.
+
+    Raises:
+        InputError: no such shipped model, or it has no ``[shape]``.
+        KeyError: an unknown GPU (the message lists the known ones).
+    """
+    if gpu not in GPU_PROFILES:
+        raise KeyError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(GPU_PROFILES))}")
+    mf = _cost_profile(model, "step_model_for", "model")
+    assert mf.shape is not None
+    shape = model_shape(mf.name, mf.shape, mf.groups, mf.weights_bytes, mf.name, "")
+    layout = Layout.of([group_spec(g, tensor_parallel) for g in mf.groups], tokens_per_hash, 1)
+    return roofline_step_model(GPU_PROFILES[gpu], shape, layout.groups,
+                               param_groups=[group_spec(g, 1) for g in mf.groups],
+                               tensor_parallel=tensor_parallel)
 
 
 def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | None = None) -> RunSpec:
@@ -1396,6 +1604,18 @@ def _check_tensor_parallel(model: ResolvedModel, tp: int, source: str) -> None:
 
 #: tensor parallelism a "does not fit" error may suggest (at most the node's GPUs)
 TP_CHOICES = (1, 2, 4, 8)
+
+
+def _weights(model: ResolvedModel) -> int:
+    """Weight bytes for the default KV budget: ``weights_bytes``, else ``params_b x 2e9``
+    (bf16), else the model's own ``[shape]``, else 0."""
+    if model.weights_bytes is not None:
+        return model.weights_bytes
+    if model.params_b is not None:
+        return int(model.params_b * 1e9 * 2)
+    if model.shape is not None and model.cost_shape is not None:
+        return model.cost_shape.total_weight_bytes([group_spec(g, 1) for g in model.groups])
+    return 0
 
 
 def _default_kv_bytes(hw: ResolvedHardware, weights: int, tp: int) -> int:
@@ -1521,8 +1741,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
         if sc.hardware.gpu_kv_bytes is not None:
             gpu_kv_bytes = sc.hardware.gpu_kv_bytes
         else:
-            weights = model.weights_bytes if model.weights_bytes is not None else (
-                int(model.params_b * 1e9 * 2) if model.params_b is not None else 0)
+            weights = _weights(model)
             gpu_kv_bytes = _default_kv_bytes(hw, weights, tp)
             if gpu_kv_bytes < 2 * block_bytes:
                 raise _does_not_fit(model, hw, weights, tp, gpu_kv_bytes, s, source)
@@ -1579,7 +1798,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
     return RunSpec(source=path, scenario=sc, model=model, hardware=hw, layout=layout,
                    block_bytes=block_bytes, gpu_kv_bytes=gpu_kv_bytes, gpu_blocks=gpu_blocks,
                    cpu_chunks=cpu_chunks, cpu_slot_bytes=slot,
-                   step_cost=_step_cost(sc, model, hw, source), h2d=h2d, d2h=d2h,
+                   step_cost=_step_cost(sc, model, hw, layout, source), h2d=h2d, d2h=d2h,
                    workload_path=workload_path, warnings=warnings)
 
 

@@ -2,80 +2,131 @@
 
 What it models
     *Engine step.* One vLLM engine step runs one forward pass over a batch
-    that mixes prefill chunks and decoding sequences. Its duration is a
-    linear function of three counts taken from the scheduler output::
+    that mixes prefill chunks and decoding sequences. Its inputs are a
+    :class:`StepLoad` the scheduler fills: prompt tokens computed, decoding
+    sequences, scheduled requests, KV bytes the attention reads, and, per KV
+    cache group, the *query-key pairs* the step's attention computes
+    (:func:`attention_pairs`). Two models answer :meth:`time`:
 
-        step_time = overhead_s
-                  + prefill_token_s * prefill_tokens
-                  + decode_seq_s    * decode_seqs
-                  + context_token_s * context_tokens
+    * :class:`RooflineStepModel` (``costs.step = "auto"``), derived from the
+      model's shapes (:class:`ModelShape`, the ``[shape]`` table of a
+      ``model/1`` file) and the GPU's datasheet (:data:`GPU_PROFILES`)::
 
-    ``overhead_s`` is paid once per step whatever the batch (for a decode
-    step it is dominated by streaming every weight out of HBM once),
-    ``prefill_token_s`` is paid per prompt token computed in the step,
-    ``decode_seq_s`` per sequence that decodes one token, and
-    ``context_token_s`` per token of KV the step's attention reads (summed
-    over the scheduled requests).
+          step = host_step_s + host_per_request_s x requests
+               + max(compute_s, memory_s)
+          compute_s = (token_flops x new tokens + sample_flops x requests
+                       + sum over groups g of pair_flops[g] x pairs[g]) / (peak x mfu)
+          memory_s  = (weight_bytes + kv_read_bytes) / (hbm_bandwidth x mbu)
 
-    *Link.* One direction of the host link (H2D loads, D2H stores) costs a
-    fixed latency per transfer job plus bytes over an effective bandwidth.
+      per worker (tensor parallelism divides FLOPs, weights and KV). The
+      pairs of a request with ``p`` tokens already computed and ``c`` new
+      tokens are: full attention ``c x p + c (c + 1) / 2`` (causal: the
+      quadratic term of long prefills); sliding window ``W`` the same with
+      every query capped at ``W`` keys; chunked local ``C`` every query
+      attends to the tokens of its own ``C``-token chunk; mamba one state
+      update per new token. ``pair_flops`` is ``4 x query_heads x head_size
+      x layers`` (QK^T and PV, a multiply-add counted as 2 FLOPs) for
+      attention groups and ``7 x state elements x layers`` for mamba groups
+      (decay, S^T k, rank-1 update and read-out of the delta rule).
+      ``token_flops`` is ``2 x`` the active parameters a token passes through
+      (without the embedding gather and the LM head), ``sample_flops`` the LM
+      head, applied once per scheduled request (vLLM computes logits at one
+      position per request).
+    * :class:`StepCostModel` (an inline ``[costs] step`` table): the linear
+      model of earlier releases, ``overhead + prefill_token x prefill tokens
+      + decode_seq x decode sequences + context_token x context tokens``,
+      evaluated left to right in that order.
+
+    *Link.* One direction of the host link (H2D loads, D2H stores): a job
+    moves ``pieces`` separate copies (vLLM copies one page per layer per
+    block, or one packed block: :data:`TRANSFER_PIECES`) and takes
+    ``latency + pieces x piece_overhead + bytes / bandwidth``, i.e. the
+    effective bandwidth of a piece of ``s`` bytes is
+    ``s / (piece_overhead + s / bandwidth)`` (:meth:`TransferModel.piece_bandwidth`):
+    slow for small pieces, near peak for large ones. While the other
+    direction is also moving data, a job progresses at ``duplex_factor`` of
+    its rate (the engine's links apply it, :mod:`sim.engine.links`).
 
     *Published figures.* :data:`GPU_PROFILES` holds datasheet figures of the
-    H100 SXM and H200 SXM and a measured-style effective PCIe Gen5 x16
-    bandwidth; :data:`MODEL_COST_PROFILES` holds parameter counts and KV
-    sizes of public models (BF16 unless noted). :func:`step_model_for`
-    turns a (GPU, model) pair into a :class:`StepCostModel` with a
-    roofline-style derivation. Every figure, its source and the derivation
-    are in ``docs/costs.md``.
+    H100 SXM and H200 SXM, the host link's measured-style figures and the
+    engine's host overhead per step. The models' shapes live in the model
+    files (``scenarios/models/*.toml``), not here. Every figure, its source and
+    the derivation are in ``docs/costs.md``.
 
 Simplifications
-    * The step time is a *sum* of a memory term and compute terms, not the
-      roofline's ``max``: near the ridge point it overestimates by up to 2x.
-    * Memory-bandwidth and compute efficiencies (``mbu``, ``mfu``) are single
-      constants, independent of batch shape, kernel and sequence length.
-    * Attention is charged by KV bytes read only; its quadratic FLOPs in long
-      prefills, sampling, scheduling on the host, CUDA-graph padding and the
-      tensor-parallel all-reduce are not charged.
-    * For a mixture-of-experts model a step is charged the bytes of *all*
-      experts (right for serving batches, where nearly every expert is hit;
-      pessimistic for a batch of one sequence).
-    * A transfer job's cost does not depend on its split into blocks, on
-      pinned vs pageable host memory, or on traffic in the other direction.
+    * Compute and memory overlap perfectly inside a step (the roofline's
+      ``max``); kernels are assumed to reach constant fractions ``mfu`` and
+      ``mbu`` of the peaks, whatever their shapes.
+    * The host overhead (scheduling, input preparation, sampling, output
+      processing) is serial with the forward pass (vLLM's default synchronous
+      scheduling) and linear in the scheduled requests.
+    * KV writes of new tokens, activations and the all-reduce of tensor
+      parallelism are free; attention reads each request's attended KV once
+      per step; a prefill's attention FLOPs are counted exactly per causal
+      mask (no tile padding).
+    * A mixture-of-experts step reads every expert's weights (right for
+      serving batches, pessimistic for a batch of one sequence) and computes
+      with the active parameters only.
+    * A transfer piece's cost does not depend on pinned vs pageable host
+      memory or on vLLM's Triton path for small H2D pages (below 28 KiB).
 
 Invariants (checked at construction, raising :class:`ValueError`)
-    * every step coefficient is finite and non-negative;
-    * a link bandwidth is positive (``math.inf`` allowed) and its latency is
-      finite and non-negative;
-    * :meth:`StepCostModel.step_time` evaluates the expression above left to
-      right in exactly that order, so two code paths that call it with the
-      same counts get bit-identical floats.
+    * every coefficient is finite and non-negative; efficiencies in (0, 1];
+    * a link bandwidth is positive (``math.inf`` allowed), its latency and
+      piece overhead finite and non-negative, its duplex factor in (0, 1];
+    * :meth:`StepCostModel.time` and :meth:`RooflineStepModel.time` evaluate
+      their expressions in a fixed order, so two code paths that pass equal
+      :class:`StepLoad` values get bit-identical floats.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, Protocol
+
+from sim.model.layout import GroupKind, GroupSpec, Layout
 
 __all__ = [
+    "DEFAULT_MBU",
+    "DEFAULT_MFU",
     "GPU_PROFILES",
-    "MODEL_COST_PROFILES",
+    "MAMBA_FLOPS_PER_STATE_ELEMENT",
+    "TRANSFER_PIECES",
     "ZERO_STEP",
     "ZERO_TRANSFER",
     "GpuProfile",
-    "ModelCostProfile",
+    "HostOverhead",
+    "ModelShape",
+    "RooflineStepModel",
     "StepCostModel",
+    "StepLoad",
+    "StepTimeModel",
     "TransferModel",
+    "attended_tokens",
+    "attention_pairs",
+    "chunked_prefill_time",
+    "group_span",
     "kv_bytes_per_token",
-    "step_model_for",
+    "kv_terms",
+    "pieces_per_block",
+    "roofline_step_model",
 ]
 
-_T = TypeVar("_T")
-
-#: Default model-FLOP utilisation of prefill matmuls (assumption, see docs/costs.md).
+#: Default model-FLOP utilisation of matmuls and attention (assumption, see docs/costs.md).
 DEFAULT_MFU = 0.5
 #: Default memory-bandwidth utilisation of weight and KV reads (see docs/costs.md).
 DEFAULT_MBU = 0.8
+#: FLOPs per recurrent-state element and token of a mamba (Gated DeltaNet) layer: decay (1),
+#: S^T k (2), rank-1 update (2), read-out S^T q (2). An assumption from the delta rule's algebra.
+MAMBA_FLOPS_PER_STATE_ELEMENT = 7
+
+#: How vLLM cuts one GPU block of a group into copies (``model/1`` key ``kv_transfer_piece``):
+#: ``layer``: one page per layer (vLLM 0.30-0.33 OffloadingConnector worker, every layout but a
+#: packed one); ``block``: one region holding every layer of the block (a packed layout, e.g.
+#: DeepSeek V4, whose layer views' block stride exceeds their page size).
+TRANSFER_PIECES = ("layer", "block")
 
 
 def _finite_non_negative(owner: str, name: str, value: float) -> float:
@@ -95,9 +146,96 @@ def _positive(owner: str, name: str, value: float, *, allow_inf: bool) -> float:
     return v
 
 
+def _fraction(owner: str, name: str, value: float) -> float:
+    v = float(value)
+    if not 0.0 < v <= 1.0:  # also rejects NaN
+        raise ValueError(f"{owner}.{name} must be in (0, 1], got {value!r}")
+    return v
+
+
+# -- what a step computes -------------------------------------------------------------------------------
+
+
+def attention_pairs(kind: GroupKind, span: int, p: int, c: int) -> int:
+    """Query-key pairs (mamba: state updates) of ``c`` new tokens after ``p`` computed ones.
+
+    Args:
+        kind: the group's attention kind.
+        span: the window (sliding window), the attention chunk (chunked local);
+            ignored for full attention and mamba.
+        p: tokens of the request already computed (cached) before the step.
+        c: tokens computed in the step.
+
+    Returns:
+        Full: ``c x p + c (c + 1) / 2``; sliding window: the sum over the new
+        tokens at positions ``t = p .. p + c - 1`` of ``min(t + 1, span)``;
+        chunked local: the sum of ``t mod span + 1``; mamba: ``c``.
+    """
+    if c <= 0:
+        return 0
+    if kind is GroupKind.FULL:
+        return c * p + c * (c + 1) // 2
+    if kind is GroupKind.SLIDING_WINDOW:
+        a, b = p + 1, p + c          # keys of the first and the last new token, uncapped
+        if b <= span:
+            return (a + b) * (b - a + 1) // 2
+        if a >= span:
+            return span * c
+        return (a + span) * (span - a + 1) // 2 + span * (b - span)
+    if kind is GroupKind.CHUNKED_LOCAL:
+        return _chunk_prefix(p + c, span) - _chunk_prefix(p, span)
+    return c
+
+
+def _chunk_prefix(n: int, chunk: int) -> int:
+    """Sum over positions ``t < n`` of ``t mod chunk + 1``."""
+    q, r = divmod(n, chunk)
+    return q * chunk * (chunk + 1) // 2 + r * (r + 1) // 2
+
+
+def attended_tokens(kind: GroupKind, span: int, context: int) -> int:
+    """Tokens of KV a group reads for a request with ``context`` tokens: full
+    attention all of them; chunked local the tokens of the current chunk; a
+    sliding window or a mamba state the last ``span`` (the window, one state block)."""
+    if kind is GroupKind.FULL:
+        return context
+    if kind is GroupKind.CHUNKED_LOCAL:
+        return context - ((context - 1) // span) * span if context > 0 else 0
+    return context if context < span else span
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoad:
+    """What one engine step computes and reads (the step models' input).
+
+    Attributes:
+        prefill_tokens: prompt tokens computed in the step (all prefill chunks).
+        decode_seqs: sequences that decode one token in the step.
+        context_tokens: KV attended, summed over requests, in tokens of the
+            model's full KV per token (the linear model's context term).
+        requests: requests scheduled in the step (sampled positions, host work).
+        kv_read_bytes: KV bytes the step's attention reads, on one worker.
+        pairs: per KV cache group, the query-key pairs of the step
+            (:func:`attention_pairs`; mamba groups: state updates).
+    """
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: float = 0.0
+    requests: int = 0
+    kv_read_bytes: int = 0
+    pairs: tuple[int, ...] = ()
+
+
+class StepTimeModel(Protocol):
+    """What the engine asks of a step model."""
+
+    def time(self, load: StepLoad) -> float: ...  # pragma: no cover - a protocol
+
+
 @dataclass(frozen=True, slots=True)
 class StepCostModel:
-    """Duration of one engine step (forward pass) in seconds.
+    """The linear step model (an inline ``[costs] step`` table), in seconds.
 
     Attributes:
         overhead_s: fixed cost of every step (weights read, launch, sampling).
@@ -128,9 +266,7 @@ class StepCostModel:
             prefill_tokens: prompt tokens computed in this step (>= 0).
             decode_seqs: sequences that decode one token in this step (>= 0).
             context_tokens: KV attended, summed over requests, in tokens of
-                the model's full KV per token (>= 0; the engine weighs each
-                group's attended tokens by its share of the KV bytes, so a
-                sliding-window group counts only its window).
+                the model's full KV per token (>= 0).
 
         Returns:
             The step duration; ``0.0`` for the all-zero model.
@@ -142,9 +278,80 @@ class StepCostModel:
             + self.context_token_s * context_tokens
         )
 
+    def time(self, load: StepLoad) -> float:
+        """:meth:`step_time` of the load's prefill tokens, decode sequences and context."""
+        return self.step_time(load.prefill_tokens, load.decode_seqs, load.context_tokens)
+
 
 #: The all-zero step model: every step takes no time.
 ZERO_STEP = StepCostModel()
+
+
+@dataclass(frozen=True, slots=True)
+class HostOverhead:
+    """The engine's own time per step, serial with the forward pass.
+
+    Attributes:
+        step_s: per step (scheduler call, input preparation, launch, sampling).
+        per_request_s: per scheduled request (the scheduler's and the output
+            processing's per-request work).
+    """
+
+    step_s: float = 0.0
+    per_request_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "per_request_s"):
+            object.__setattr__(self, name, _finite_non_negative("HostOverhead", name, getattr(self, name)))
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineStepModel:
+    """The roofline step model of one worker (see the module docstring), in seconds.
+
+    Attributes:
+        token_flops: FLOPs per new token (prefill or decode) outside attention.
+        sample_flops: FLOPs of the LM head, per scheduled request.
+        pair_flops: per KV cache group, FLOPs per query-key pair (mamba: per state update).
+        weight_bytes: weight bytes read once per step.
+        flops_per_s: effective FLOP/s (peak x mfu).
+        bytes_per_s: effective HBM bytes/s (peak x mbu).
+        host: the engine's own time per step.
+    """
+
+    token_flops: float
+    sample_flops: float
+    pair_flops: tuple[float, ...]
+    weight_bytes: float
+    flops_per_s: float
+    bytes_per_s: float
+    host: HostOverhead = HostOverhead()
+
+    def __post_init__(self) -> None:
+        o = "RooflineStepModel"
+        for name in ("token_flops", "sample_flops", "weight_bytes"):
+            object.__setattr__(self, name, _finite_non_negative(o, name, getattr(self, name)))
+        object.__setattr__(self, "pair_flops",
+                           tuple(_finite_non_negative(o, "pair_flops", v) for v in self.pair_flops))
+        object.__setattr__(self, "flops_per_s", _positive(o, "flops_per_s", self.flops_per_s, allow_inf=True))
+        object.__setattr__(self, "bytes_per_s", _positive(o, "bytes_per_s", self.bytes_per_s, allow_inf=True))
+
+    def compute_s(self, load: StepLoad) -> float:
+        """The step's FLOPs over the effective FLOP/s."""
+        flops = (self.token_flops * (load.prefill_tokens + load.decode_seqs)
+                 + self.sample_flops * load.requests)
+        for f, n in zip(self.pair_flops, load.pairs, strict=True):
+            flops += f * n
+        return flops / self.flops_per_s
+
+    def memory_s(self, load: StepLoad) -> float:
+        """The step's bytes (weights once, attended KV) over the effective bandwidth."""
+        return (self.weight_bytes + load.kv_read_bytes) / self.bytes_per_s
+
+    def time(self, load: StepLoad) -> float:
+        """Seconds the step takes: host overhead plus the larger of compute and memory time."""
+        host = self.host.step_s + self.host.per_request_s * load.requests
+        return host + max(self.compute_s(load), self.memory_s(load))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,49 +359,69 @@ class TransferModel:
     """One direction of the GPU<->CPU link (H2D or D2H).
 
     Attributes:
-        bandwidth_bytes_per_s: effective bandwidth; ``math.inf`` makes only
-            the latency count.
+        bandwidth_bytes_per_s: peak effective bandwidth of large copies;
+            ``math.inf`` makes only the fixed costs count.
         latency_s: fixed latency per transfer job.
+        piece_overhead_s: fixed cost of each separate copy (piece) of a job.
+        duplex_factor: fraction of its rate a job keeps while the other
+            direction is moving data too (1: full duplex without loss).
     """
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+    piece_overhead_s: float = 0.0
+    duplex_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "bandwidth_bytes_per_s",
-            _positive("TransferModel", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, allow_inf=True),
-        )
-        object.__setattr__(
-            self, "latency_s", _finite_non_negative("TransferModel", "latency_s", self.latency_s)
-        )
+        o = "TransferModel"
+        object.__setattr__(self, "bandwidth_bytes_per_s",
+                           _positive(o, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, allow_inf=True))
+        object.__setattr__(self, "latency_s", _finite_non_negative(o, "latency_s", self.latency_s))
+        object.__setattr__(self, "piece_overhead_s",
+                           _finite_non_negative(o, "piece_overhead_s", self.piece_overhead_s))
+        object.__setattr__(self, "duplex_factor", _fraction(o, "duplex_factor", self.duplex_factor))
 
-    def time(self, nbytes: int) -> float:
-        """Seconds one job of ``nbytes`` takes: latency plus bytes over bandwidth.
+    def time(self, nbytes: int, pieces: int = 0) -> float:
+        """Seconds one job of ``nbytes`` in ``pieces`` copies takes, the other direction idle.
 
         Args:
             nbytes: bytes moved by the job (>= 0).
+            pieces: separate copies the job makes (>= 0; 0 charges no piece overhead).
 
         Returns:
-            ``latency_s + nbytes / bandwidth_bytes_per_s`` (the second term is
-            ``0.0`` for infinite bandwidth).
+            ``latency_s + pieces x piece_overhead_s + nbytes / bandwidth_bytes_per_s``
+            (the last term is ``0.0`` for infinite bandwidth), in that order.
 
         Raises:
-            ValueError: ``nbytes`` is negative.
+            ValueError: ``nbytes`` or ``pieces`` is negative.
         """
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+        if nbytes < 0 or pieces < 0:
+            raise ValueError(f"nbytes and pieces must be >= 0, got {nbytes!r}, {pieces!r}")
+        return self.latency_s + pieces * self.piece_overhead_s + nbytes / self.bandwidth_bytes_per_s
+
+    def piece_bandwidth(self, piece_bytes: int) -> float:
+        """Effective bytes/s of copies of ``piece_bytes`` each (the curve of docs/costs.md):
+        ``piece_bytes / (piece_overhead_s + piece_bytes / bandwidth)``."""
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be > 0, got {piece_bytes!r}")
+        return piece_bytes / (self.piece_overhead_s + piece_bytes / self.bandwidth_bytes_per_s)
 
 
 #: A free link: infinite bandwidth, no latency.
 ZERO_TRANSFER = TransferModel(math.inf, 0.0)
 
 
+def pieces_per_block(spec: GroupSpec, piece: Literal["layer", "block"]) -> int:
+    """Copies vLLM makes for one GPU block of ``spec``: one per layer, or one
+    packed block (a group without a tensor shape counts as one piece)."""
+    if piece == "block" or spec.shape is None:
+        return 1
+    return spec.shape.layers
+
+
 @dataclass(frozen=True, slots=True)
 class GpuProfile:
-    """Published figures of one GPU and its host link.
+    """Published figures of one GPU, its host link and its host's overhead per step.
 
     Attributes:
         name: short name (``"h100"``, ``"h200"``).
@@ -203,6 +430,7 @@ class GpuProfile:
         dense_bf16_flops: dense (no sparsity) BF16 tensor-core FLOP/s.
         h2d: host-to-device link (PCIe Gen5 x16, pinned memory, effective).
         d2h: device-to-host link.
+        host: the engine's own time per step.
         sources: citations, each "URL: what number".
     """
 
@@ -212,6 +440,7 @@ class GpuProfile:
     dense_bf16_flops: float
     h2d: TransferModel
     d2h: TransferModel
+    host: HostOverhead
     sources: tuple[str, ...]
 
     def __post_init__(self) -> None:
@@ -220,34 +449,6 @@ class GpuProfile:
             raise ValueError(f"{owner}.hbm_bytes must be a positive int, got {self.hbm_bytes!r}")
         _positive(owner, "hbm_bandwidth_bytes_per_s", self.hbm_bandwidth_bytes_per_s, allow_inf=False)
         _positive(owner, "dense_bf16_flops", self.dense_bf16_flops, allow_inf=False)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelCostProfile:
-    """Size figures of one model that drive the step cost.
-
-    Attributes:
-        name: short name, e.g. ``"llama-3.1-8b"``.
-        active_params: parameters touched per token (for MoE: the activated ones).
-        weight_bytes: weight bytes read per step (BF16: 2 x all parameters; the native
-            MXFP4/FP4 checkpoint size for gpt-oss-120b and deepseek-v4-style).
-        kv_bytes_per_token: KV bytes per token over all layers.
-        sources: citations, each "URL: what number".
-    """
-
-    name: str
-    active_params: float
-    weight_bytes: float
-    kv_bytes_per_token: int
-    sources: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        owner = f"ModelCostProfile({self.name!r})"
-        _positive(owner, "active_params", self.active_params, allow_inf=False)
-        _positive(owner, "weight_bytes", self.weight_bytes, allow_inf=False)
-        kv = self.kv_bytes_per_token
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
-            raise ValueError(f"{owner}.kv_bytes_per_token must be a positive int, got {kv!r}")
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -262,7 +463,6 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 # -- published figures ---------------------------------------------------------------------------------
 
 _GB = 10**9
-_BF16_BYTES = 2
 
 _H100_DATASHEET = "https://resources.nvidia.com/en-us-gpu-resources/h100-datasheet-24306"
 _H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
@@ -274,17 +474,40 @@ _H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
 PCIE5_X16_EFFECTIVE_BYTES_PER_S = 55 * _GB
 #: Per-job latency of a host<->device copy: an assumption (no citable figure found).
 PCIE_JOB_LATENCY_S = 10e-6
+#: Fixed cost of one copy descriptor of a batched DMA copy (cuMemcpyBatchAsync): 2.4-2.6 us
+#: measured per small copy on a PCIe Gen5 x16 host link (MI300X); assumed the same on H100/H200.
+PCIE_PIECE_OVERHEAD_S = 2.5e-6
+#: Rate kept by an H2D / D2H copy while the other direction copies too (nvbandwidth
+#: bidirectional runs on PCIe Gen4 A100: H2D 11-13 GB/s, D2H 24-25 GB/s of 25-26 one-way);
+#: assumed to hold for Gen5.
+PCIE_H2D_DUPLEX_FACTOR = 0.47
+PCIE_D2H_DUPLEX_FACTOR = 0.95
+#: The engine's host time per step and per scheduled request (sources in docs/costs.md).
+HOST_STEP_S = 1.4e-3
+HOST_PER_REQUEST_S = 15e-6
 
 _PCIE_SOURCES = (
     "https://www.nvidia.com/en-us/data-center/h100/: PCIe Gen5 128 GB/s (both directions, i.e. 64 GB/s each)",
     "https://github.com/NVIDIA/nvbandwidth/issues/6: H100 host->device measured 56.7-57.1 GB/s (3 of 4 GPUs)",
     "https://github.com/NVIDIA/nvbandwidth/issues/24: H100 device_to_host_memcpy_sm measured 52.8 GB/s",
     "assumption: 55 GB/s effective each way, 10 us per-job latency (see docs/costs.md)",
+    "https://github.com/ROCm/clr/issues/273: batched host<->device copies of 4 and 16 KiB at 1.7 and "
+    "6.7 GB/s on a PCIe Gen5 x16 link (2.4 us per copy); assumption: the same per-piece cost on H100/H200",
+    "https://github.com/NVIDIA/nvbandwidth/issues/11: bidirectional copies on PCIe Gen4, H2D 12-13 GB/s "
+    "and D2H 24 GB/s of 25-26 GB/s one-way; assumption: the same ratios on Gen5",
+)
+_HOST_SOURCES = (
+    "docs/costs.md sanity check: NIM Llama-3.1-8B batch-1 ITL 4.37 ms vs the 3.0 ms HBM floor at 8-bit "
+    "weights: about 1.4 ms of host and launch time per step (inference, not a measurement)",
+    "benchmarks/vllm_scheduler_overhead.py: vLLM 0.33.0's Scheduler on CPU (schedule + "
+    "update_from_output), all-decode, 15.1 us per running request (fit over 8-256; a shared 2-CPU VM)",
+    "https://github.com/openfabric-systems/simllm/pull/204: vLLM 0.27.1 scheduler, all-decode, "
+    "12.7 us per running request at the cap",
 )
 
 
-def _pcie5_x16() -> TransferModel:
-    return TransferModel(PCIE5_X16_EFFECTIVE_BYTES_PER_S, PCIE_JOB_LATENCY_S)
+def _pcie5_x16(duplex: float) -> TransferModel:
+    return TransferModel(PCIE5_X16_EFFECTIVE_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S, duplex)
 
 
 #: GPU profiles by name.
@@ -294,14 +517,16 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         hbm_bytes=80 * _GB,
         hbm_bandwidth_bytes_per_s=3.35e12,
         dense_bf16_flops=989e12,
-        h2d=_pcie5_x16(),
-        d2h=_pcie5_x16(),
+        h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+        d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
         sources=(
             f"{_H100_DATASHEET}: H100 SXM 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
             f"{_H100_PAGE}: same table",
             "https://glennklockwood.com/garden/processors/h100: H100 SXM5 BF16 matrix 989.4 TFLOPS dense, "
             "80 GB HBM3, 3.35 TB/s",
             *_PCIE_SOURCES,
+            *_HOST_SOURCES,
         ),
     ),
     "h200": GpuProfile(
@@ -309,226 +534,242 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         hbm_bytes=141 * _GB,
         hbm_bandwidth_bytes_per_s=4.8e12,
         dense_bf16_flops=989e12,
-        h2d=_pcie5_x16(),
-        d2h=_pcie5_x16(),
+        h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+        d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
         sources=(
             f"{_H200_PAGE}: H200 SXM 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
             "https://aiwiki.ai/wiki/nvidia_h200: 141 GB HBM3e at 4.8 TB/s, same GH100 compute as H100",
             "https://raw.githubusercontent.com/mlcommons/inference_results_v4.1/main/closed/NVIDIA/systems/"
             "H200-SXM-141GBx8_TRT_MaxQ.json: host interconnect PCIe Gen5 x16",
             *_PCIE_SOURCES,
+            *_HOST_SOURCES,
         ),
     ),
 }
 
 
-def _dense_bf16(
-    name: str, params: int, layers: int, kv_heads: int, head_dim: int, sources: tuple[str, ...]
-) -> ModelCostProfile:
-    return ModelCostProfile(
-        name=name,
-        active_params=float(params),
-        weight_bytes=float(params * _BF16_BYTES),
-        kv_bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, _BF16_BYTES),
-        sources=sources,
-    )
+# -- model shapes and the roofline step model -----------------------------------------------------------
 
 
-#: Model profiles by name (BF16 weights and KV cache unless the entry says otherwise).
-MODEL_COST_PROFILES: dict[str, ModelCostProfile] = {
-    p.name: p
-    for p in (
-        _dense_bf16(
-            "llama-3.1-8b", 8_030_261_248, layers=32, kv_heads=8, head_dim=128,
-            sources=(
-                "https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json: 32 layers, "
-                "hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256, "
-                "untied embeddings",
-                "https://huggingface.co/meta-llama/Llama-3.1-8B: 8B parameters (8,030,261,248 recounted "
-                "from config.json)",
-            ),
-        ),
-        _dense_bf16(
-            "llama-3.1-70b", 70_553_706_496, layers=80, kv_heads=8, head_dim=128,
-            sources=(
-                "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json: 80 layers, "
-                "hidden 8192, 64 heads, 8 KV heads, head_dim 128, intermediate 28672, vocab 128256",
-                "https://huggingface.co/meta-llama/Llama-3.1-70B: 70B parameters (70,553,706,496 recounted "
-                "from config.json)",
-            ),
-        ),
-        _dense_bf16(
-            "qwen3-8b", 8_190_735_360, layers=36, kv_heads=8, head_dim=128,
-            sources=(
-                "https://huggingface.co/Qwen/Qwen3-8B: 8.2B parameters, 36 layers, 32 Q / 8 KV heads",
-                "https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json: hidden 4096, head_dim 128, "
-                "intermediate 12288, vocab 151936 (8,190,735,360 recounted)",
-            ),
-        ),
-        _dense_bf16(
-            "qwen3-32b", 32_762_123_264, layers=64, kv_heads=8, head_dim=128,
-            sources=(
-                "https://huggingface.co/Qwen/Qwen3-32B: 32.8B parameters, 64 layers, 64 Q / 8 KV heads",
-                "https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json: hidden 5120, head_dim 128, "
-                "intermediate 25600, vocab 151936 (32,762,123,264 recounted)",
-            ),
-        ),
-        ModelCostProfile(
-            name="qwen3-30b-a3b",
-            active_params=3_353_032_704.0,
-            weight_bytes=30_532_122_624.0 * _BF16_BYTES,
-            kv_bytes_per_token=kv_bytes_per_token(48, 4, 128, _BF16_BYTES),
-            sources=(
-                "https://huggingface.co/Qwen/Qwen3-30B-A3B: 30.5B total / 3.3B activated parameters, "
-                "48 layers, 32 Q / 4 KV heads, 128 experts, 8 activated",
-                "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: hidden 2048, head_dim 128, "
-                "moe_intermediate 768, vocab 151936 (30,532,122,624 total, 3,353,032,704 active recounted)",
-                "assumption: a serving step reads every expert's weights",
-            ),
-        ),
-        # -- the hybrid models of scenarios/models/ (KV bytes per token = the sum over the
-        # -- file's groups, window and mamba groups included; see docs/costs.md)
-        ModelCostProfile(
-            name="gpt-oss-120b",
-            active_params=5_711_982_912.0,
-            weight_bytes=65_248_815_744.0,
-            kv_bytes_per_token=kv_bytes_per_token(36, 8, 64, _BF16_BYTES),
-            sources=(
-                "https://huggingface.co/openai/gpt-oss-120b: 116.83B total / 5.13B active parameters "
-                "(model card, arXiv:2508.10925 Table 1; active without the input embedding), "
-                "60.8 GiB checkpoint, 128 experts, 4 per token",
-                "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: 36 layers alternating "
-                "sliding window 128 / full, 64 Q / 8 KV heads, head_dim 64, hidden 2880, vocab 201088 "
-                "(116,829,156,672 total, 5,711,982,912 active with both embedding tables, recounted)",
-                "https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json: quantization_config "
-                "mxfp4 for the experts; weight bytes = 114,661,785,600 expert weights x 4.25 bits + the "
-                "rest x 2 bytes = 65,248,815,744 (60.77 GiB)",
-                "assumption: a serving step reads every expert's weights",
-            ),
-        ),
-        _dense_bf16(
-            "gemma-3-27b", 27_009_346_304, layers=62, kv_heads=16, head_dim=128,
-            sources=(
-                "https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json: text_config 62 layers "
-                "(52 sliding window 1024, 10 global), 32 Q / 16 KV heads, head_dim 128, hidden 5376, "
-                "intermediate 21504, vocab 262208, tied embeddings (27,009,346,304 recounted)",
-                "https://huggingface.co/google/gemma-3-27b-it: 27B parameters (the vision encoder is "
-                "left out: text-only serving)",
-            ),
-        ),
-        ModelCostProfile(
-            name="llama-4-scout",
-            active_params=17_172_894_720.0,
-            weight_bytes=107_769_861_120.0 * _BF16_BYTES,
-            kv_bytes_per_token=kv_bytes_per_token(48, 8, 128, _BF16_BYTES),
-            sources=(
-                "https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct: 17B active, 109B total "
-                "(with the vision encoder), 16 experts",
-                "https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct/blob/main/config.json: "
-                "text_config 48 layers (36 chunked local 8192, 12 NoPE global), 40 Q / 8 KV heads, "
-                "head_dim 128, hidden 5120, expert and shared-expert intermediate 8192, top-1, vocab 202048 "
-                "(107,769,861,120 total, 17,172,894,720 active recounted for the text model)",
-                "assumption: a serving step reads every expert's weights",
-            ),
-        ),
-        ModelCostProfile(
-            name="qwen3-next-80b-a3b",
-            active_params=3_874_929_408.0,
-            weight_bytes=79_674_391_296.0 * _BF16_BYTES,
-            # 12 attention layers (2 KV heads x 256) + 36 Gated DeltaNet layers sized like KV
-            # with 32 heads x 16 (one 544-token block = vLLM's padded state page per layer)
-            kv_bytes_per_token=kv_bytes_per_token(12, 2, 256, _BF16_BYTES)
-            + kv_bytes_per_token(36, 32, 16, _BF16_BYTES),
-            sources=(
-                "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total / 3B activated, "
-                "48 layers = 12 x (3 Gated DeltaNet + 1 gated attention), 16 Q / 2 KV heads of 256, "
-                "512 experts (10 routed + 1 shared) of intermediate 512",
-                "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json: hidden 2048, "
-                "linear attention 32 V / 16 QK heads of 128, conv kernel 4, vocab 151936 "
-                "(79,674,391,296 total, 3,874,929,408 active recounted, without the MTP layer)",
-                "assumption: the mamba groups' per-token bytes are kvsim's shape stand-in for the "
-                "recurrent state (scenarios/models/qwen3-next-80b-a3b.toml); a serving step reads every "
-                "expert's weights",
-            ),
-        ),
-        ModelCostProfile(
-            name="deepseek-v4-style",
-            active_params=13e9,
-            weight_bytes=155e9,
-            # single-copy latent caches of scenarios/models/deepseek-v4-style.toml, per token:
-            # 21 CSA layers x 180 B (fp8) + 43 window layers x 585 B (fp8)
-            # + 20 HCA compressor states x 1024 x 4 B (fp32)
-            kv_bytes_per_token=21 * 180 + 43 * 585 + 20 * 1024 * 4,
-            sources=(
-                "https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash: 284B total / 13B activated "
-                "parameters, 43 layers, routed experts FP4 and other weights FP8",
-                "assumption: weight bytes estimated as 277,025,390,592 routed-expert parameters at 4.25 "
-                "bits + the other ~7.0B at 1 byte + bf16 embeddings = about 155 GB",
-                "assumption: KV bytes per token of the 'style' layout in "
-                "scenarios/models/deepseek-v4-style.toml (spec section 6.1 block sizes, V4-Flash shapes)",
-                "assumption: a serving step reads every expert's weights",
-            ),
-        ),
-    )
-}
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shapes of a model that its step cost needs, besides its KV cache groups
+    (a ``model/1`` file's ``[shape]`` table; every number from the model's ``config.json``).
+
+    The parameter count is derived from the shapes and the model's KV cache
+    groups (:meth:`param_counts`) unless ``params`` and ``active_params`` are
+    given (architectures the derivation does not cover: mamba or MLA groups,
+    biases, sinks).
+
+    Attributes:
+        name: the model's name.
+        hidden_size: ``hidden_size``.
+        vocab_size: ``vocab_size``.
+        query_heads: ``num_attention_heads`` of every attention layer.
+        intermediate_size: the gated MLP's ``intermediate_size`` (0: every layer is MoE).
+        tied_embeddings: the LM head is the input embedding (``tie_word_embeddings``).
+        experts: routed experts per MoE layer (0: dense).
+        experts_per_token: experts activated per token.
+        expert_intermediate_size: one expert's intermediate size.
+        shared_expert_intermediate_size: the shared expert's (0: none).
+        mamba_state_elements: recurrent-state elements of one mamba layer, whole model.
+        params: total parameters, when given instead of derived.
+        active_params: parameters a token passes through (embedding tables included).
+        weight_bytes: bytes of the weights, when not ``weight_dtype_bytes x params``.
+        weight_dtype_bytes: bytes per parameter (2: bf16).
+    """
+
+    name: str
+    hidden_size: int
+    vocab_size: int
+    query_heads: int
+    intermediate_size: int = 0
+    tied_embeddings: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    mamba_state_elements: int = 0
+    params: int | None = None
+    active_params: int | None = None
+    weight_bytes: int | None = None
+    weight_dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        o = f"ModelShape({self.name!r})"
+        for name in ("hidden_size", "vocab_size", "query_heads", "weight_dtype_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{o}.{name} must be a positive int, got {v!r}")
+        if (self.params is None) != (self.active_params is None):
+            raise ValueError(f"{o}: give both params and active_params, or neither")
+        if self.params is not None and self.active_params is not None and not (
+                0 < self.active_params <= self.params):
+            raise ValueError(f"{o}: need 0 < active_params <= params")
+        moe_ok = 0 < self.experts_per_token <= self.experts and self.expert_intermediate_size > 0
+        if self.experts and not moe_ok:
+            raise ValueError(f"{o}: experts need 1 <= experts_per_token <= experts and an "
+                             "expert_intermediate_size")
+        if not self.experts and self.params is None and self.intermediate_size <= 0:
+            raise ValueError(f"{o}: a dense model needs intermediate_size (or params and active_params)")
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of one embedding table (``vocab_size x hidden_size``)."""
+        return self.vocab_size * self.hidden_size
+
+    def param_counts(self, groups: Sequence[GroupSpec]) -> tuple[int, int]:
+        """(total, active) parameters: the given ones, or derived from the shapes.
+
+        Derivation, per decoder layer (one per layer of ``groups``, whose shapes
+        give KV heads and head size before tensor parallelism): attention
+        projections ``hidden x head_size x (2 query_heads + 2 kv_heads)``; a
+        dense gated MLP ``3 x hidden x intermediate``; or MoE ``experts x 3 x
+        hidden x expert_intermediate`` (active: ``experts_per_token`` of them),
+        the router ``hidden x experts`` and a shared expert ``3 x hidden x
+        shared_intermediate``; plus one embedding table, two when untied.
+        Norms and biases are left out (under 0.01 % for the shipped models).
+
+        Raises:
+            ValueError: the derivation does not cover the groups (mamba, MLA, no shape).
+        """
+        if self.params is not None and self.active_params is not None:
+            return self.params, self.active_params
+        h = self.hidden_size
+        attn = 0
+        layers = 0
+        for g in groups:
+            s = g.shape
+            if s is None or s.mla or g.kind is GroupKind.MAMBA:
+                raise ValueError(f"model {self.name!r}: the parameter count of {g.kind} groups "
+                                 "without a plain attention shape is not derived; give params and "
+                                 "active_params")
+            attn += s.layers * h * s.head_size * (2 * self.query_heads + 2 * s.kv_heads)
+            layers += s.layers
+        if self.experts:
+            expert = 3 * h * self.expert_intermediate_size
+            common = h * self.experts + 3 * h * self.shared_expert_intermediate_size
+            mlp, mlp_active = self.experts * expert + common, self.experts_per_token * expert + common
+        else:
+            mlp = mlp_active = 3 * h * self.intermediate_size
+        emb = self.embedding_params * (1 if self.tied_embeddings else 2)
+        return attn + layers * mlp + emb, attn + layers * mlp_active + emb
+
+    def total_weight_bytes(self, groups: Sequence[GroupSpec]) -> int:
+        """``weight_bytes``, else ``weight_dtype_bytes x`` the total parameters."""
+        if self.weight_bytes is not None:
+            return self.weight_bytes
+        return self.weight_dtype_bytes * self.param_counts(groups)[0]
 
 
-def _lookup(table: dict[str, _T], kind: str, name: str) -> _T:
-    try:
-        return table[name]
-    except KeyError:
-        known = ", ".join(sorted(table))
-        raise KeyError(f"unknown {kind} {name!r}; known: {known}") from None
+def group_span(spec: GroupSpec) -> int:
+    """The span of :func:`attention_pairs` and :func:`attended_tokens`: the window,
+    the attention chunk, one state block (mamba), 0 for full attention."""
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.window is not None
+        return spec.window
+    if spec.kind is GroupKind.CHUNKED_LOCAL:
+        assert spec.attention_chunk is not None
+        return spec.attention_chunk
+    if spec.kind is GroupKind.MAMBA:
+        return spec.tokens_per_block
+    return 0
 
 
-def step_model_for(
-    gpu: str,
-    model: str,
+def roofline_step_model(
+    gpu: GpuProfile,
+    shape: ModelShape,
+    groups: Sequence[GroupSpec],
     *,
+    param_groups: Sequence[GroupSpec] | None = None,
     tensor_parallel: int = 1,
     mfu: float = DEFAULT_MFU,
     mbu: float = DEFAULT_MBU,
-) -> StepCostModel:
-    """Roofline-style step model for ``model`` on ``tensor_parallel`` GPUs of kind ``gpu``.
-
-    With ``BW = tensor_parallel x hbm_bandwidth x mbu`` and
-    ``F = tensor_parallel x dense_bf16_flops x mfu``::
-
-        overhead_s      = weight_bytes / BW
-        prefill_token_s = 2 x active_params / F
-        decode_seq_s    = 2 x active_params / F
-        context_token_s = kv_bytes_per_token / BW
-
-    Whether the weights fit in HBM is not checked (Llama 3.1 70B in BF16 needs
-    two GPUs of either kind).
+    host: HostOverhead | None = None,
+) -> RooflineStepModel:
+    """The roofline step model of one worker of ``tensor_parallel`` GPUs.
 
     Args:
-        gpu: a key of :data:`GPU_PROFILES`.
-        model: a key of :data:`MODEL_COST_PROFILES`.
-        tensor_parallel: GPUs sharing the model (weights, FLOPs and KV split evenly).
-        mfu: fraction of dense BF16 peak the matmuls reach, in (0, 1].
+        gpu: the GPU's figures.
+        shape: the model's shapes.
+        groups: the run's KV cache groups, in layout order (their layers and
+            head sizes give the attention FLOPs per pair).
+        param_groups: the groups the shape's parameter count refers to (default
+            ``groups``; another model's when its shape is borrowed), before
+            tensor parallelism.
+        tensor_parallel: GPUs sharing the model (FLOPs, weights and KV split evenly).
+        mfu: fraction of dense BF16 peak the kernels reach, in (0, 1].
         mbu: fraction of peak HBM bandwidth the weight and KV reads reach, in (0, 1].
-
-    Returns:
-        The step cost model.
+        host: the engine's own time (default: the GPU profile's).
 
     Raises:
-        KeyError: unknown GPU or model name; the message lists the known names.
-        ValueError: ``tensor_parallel`` < 1, or ``mfu``/``mbu`` outside (0, 1].
+        ValueError: bad ``tensor_parallel``, ``mfu`` or ``mbu``; a parameter count
+            that cannot be derived; a mamba group without ``mamba_state_elements``.
     """
-    g = _lookup(GPU_PROFILES, "gpu", gpu)
-    m = _lookup(MODEL_COST_PROFILES, "model", model)
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-    for name, value in (("mfu", mfu), ("mbu", mbu)):
-        if not 0.0 < value <= 1.0:  # also rejects NaN
-            raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    bw = tensor_parallel * g.hbm_bandwidth_bytes_per_s * mbu
-    flops = tensor_parallel * g.dense_bf16_flops * mfu
-    token_s = 2.0 * m.active_params / flops
-    return StepCostModel(
-        overhead_s=m.weight_bytes / bw,
-        prefill_token_s=token_s,
-        decode_seq_s=token_s,
-        context_token_s=m.kv_bytes_per_token / bw,
+    mfu = _fraction("roofline_step_model", "mfu", mfu)
+    mbu = _fraction("roofline_step_model", "mbu", mbu)
+    pgroups = groups if param_groups is None else param_groups
+    _, active = shape.param_counts(pgroups)
+    tp = tensor_parallel
+    emb = shape.embedding_params
+    body = active - emb * (1 if shape.tied_embeddings else 2)
+    pair_flops: list[float] = []
+    for g in groups:
+        layers = g.shape.layers if g.shape is not None else 1
+        if g.kind is GroupKind.MAMBA:
+            if shape.mamba_state_elements <= 0:
+                raise ValueError(f"model {shape.name!r} has mamba groups: its shape needs "
+                                 "mamba_state_elements")
+            f = MAMBA_FLOPS_PER_STATE_ELEMENT * shape.mamba_state_elements * layers
+        else:
+            head = g.shape.head_size if g.shape is not None else 1
+            f = 4 * shape.query_heads * head * layers
+        pair_flops.append(f / tp)
+    return RooflineStepModel(
+        token_flops=2.0 * max(body, 0) / tp,
+        sample_flops=2.0 * emb / tp,
+        pair_flops=tuple(pair_flops),
+        weight_bytes=shape.total_weight_bytes(pgroups) / tp,
+        flops_per_s=gpu.dense_bf16_flops * mfu,
+        bytes_per_s=gpu.hbm_bandwidth_bytes_per_s * mbu,
+        host=gpu.host if host is None else host,
     )
+
+
+def kv_terms(layout: Layout) -> list[tuple[GroupKind, int, int]]:
+    """Per group of ``layout``: (kind, :func:`group_span`, KV bytes per token on one worker);
+    without byte figures for every group, every group weighs 1 byte per token."""
+    sized = all(layout.kv_bytes_per_block(g) for g in range(len(layout.groups)))
+    terms = []
+    for g, spec in enumerate(layout.groups):
+        bpt = max(1, (layout.kv_bytes_per_block(g) or 0) // spec.tokens_per_block) if sized else 1
+        terms.append((spec.kind, group_span(spec), bpt))
+    return terms
+
+
+def chunked_prefill_time(model: StepTimeModel, layout: Layout, prompt_tokens: int,
+                         max_num_batched_tokens: int) -> float:
+    """Seconds of the chunked prefill of one request alone: steps of at most
+    ``max_num_batched_tokens`` new tokens, each with the pairs and the KV reads
+    the scheduler reports for it (``layout``: per worker).
+
+    Raises:
+        ValueError: a non-positive prompt or budget.
+    """
+    if prompt_tokens < 1 or max_num_batched_tokens < 1:
+        raise ValueError("prompt_tokens and max_num_batched_tokens must be >= 1")
+    terms = kv_terms(layout)
+    total_bpt = sum(b for _, _, b in terms)
+    t = 0.0
+    p = 0
+    while p < prompt_tokens:
+        c = min(max_num_batched_tokens, prompt_tokens - p)
+        kv = sum(attended_tokens(k, s, p + c) * b for k, s, b in terms)
+        load = StepLoad(prefill_tokens=c, requests=1, kv_read_bytes=kv, context_tokens=kv / total_bpt,
+                        pairs=tuple(attention_pairs(k, s, p, c) for k, s, _ in terms))
+        t += model.time(load)
+        p += c
+    return t

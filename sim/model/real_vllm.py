@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sim.model.costs import StepLoad, pieces_per_block
 from sim.model.layout import GroupKind, Layout
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
@@ -160,10 +161,8 @@ class RealStep:
     """One step of the real scheduler, between ``schedule`` and ``update_from_output``."""
 
     output: Any
-    #: the cost model's inputs
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    context_tokens: float = 0.0
+    #: the step model's input (:class:`~sim.model.costs.StepLoad`)
+    load: StepLoad = field(default_factory=StepLoad)
     scheduled: int = 0
     preempted: int = 0
     loads: int = 0
@@ -182,6 +181,8 @@ class RealJob:
     chunks: int
     blocks: int
     nbytes: int
+    #: separate copies vLLM makes (:func:`sim.model.costs.pieces_per_block`)
+    pieces: int = 0
 
 
 @dataclass
@@ -280,6 +281,7 @@ class RealVllmScheduler:
             self._watch_lookups()
         self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
+        self._block_pieces = [pieces_per_block(g, cfg.transfer_piece) for g in layout.groups]
         self._jobs: dict[int, RealJob] = {}
         #: jobs in the connector's metadata, not yet submitted by the worker
         self._planned: dict[int, RealJob] = {}
@@ -449,8 +451,8 @@ class RealVllmScheduler:
 
     def _account(self, out: Any, step: RealStep, now: float) -> None:
         """The scheduled requests' counters (as kvsim's model counts them) and the step's load."""
-        att = self.context.attended
         vreqs = self.sched.requests
+        work: list[tuple[int, int, bool]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             q = vreqs[req_id]
             r = self.requests[req_id]
@@ -461,10 +463,7 @@ class RealVllmScheduler:
                 self.stats.gpu_hit_tokens += r.gpu_hit_tokens
             end = done + n
             # kvsim's step model: a decode step computes one token of a complete sequence
-            if done >= q.num_prompt_tokens and done == q.num_tokens - 1:
-                step.decode_seqs += 1
-            else:
-                step.prefill_tokens += n
+            work.append((done, n, done >= q.num_prompt_tokens and done == q.num_tokens - 1))
             if done < q.num_prompt_tokens or end < q.num_tokens:   # prefill work (as kvsim counts it)
                 redo = max(0, min(end, r.high_water) - done)
                 r.computed_tokens += n
@@ -472,8 +471,7 @@ class RealVllmScheduler:
                 self.stats.computed_tokens += n
                 self.stats.recomputed_tokens += redo
             r.high_water = max(r.high_water, end)
-            step.context_tokens += att(end)
-        step.context_tokens /= self.context.bytes_per_token
+        step.load = self.context.load(work)
         step.scheduled = len(out.num_scheduled_tokens)
 
     def flush(self, step: RealStep) -> tuple[list[RealJob], set[int]]:
@@ -509,7 +507,8 @@ class RealVllmScheduler:
         nbytes = sum(n * b for n, b in zip(sizes, self._group_bytes, strict=False))
         ids = getattr(other, "block_ids", None)
         chunks = len(ids) if ids is not None else 0
-        job = RealJob(job_id, req_id, direction, chunks, sum(sizes), nbytes)
+        pieces = sum(n * k for n, k in zip(sizes, self._block_pieces, strict=False))
+        job = RealJob(job_id, req_id, direction, chunks, sum(sizes), nbytes, pieces)
         r = self.requests.get(req_id) or next((f for f in self._finishing if f.req_id == req_id), None)
         if direction == "h2d":
             self.stats.load_jobs += 1

@@ -36,8 +36,9 @@ What it models
         3. the connector's metadata: block ids, stale-entry zeroing and flush
            fences (spec §7.6), store jobs of the scheduled requests and of the
            requests finished in the previous step (which are then released);
-           the cost model's inputs (prefill tokens, decode sequences,
-           attended context).
+           the step load, the step model's input (prefill tokens, decode
+           sequences, scheduled requests, KV bytes attended and, per group,
+           the query-key pairs of the step: :class:`AttendedContext`).
 
     The engine then flushes, submits the plan's transfers and waits the step
     time (spec §8.3).
@@ -102,7 +103,15 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler, StorePlan
-from sim.model.costs import ZERO_STEP, StepCostModel
+from sim.model.costs import (
+    ZERO_STEP,
+    StepLoad,
+    StepTimeModel,
+    attended_tokens,
+    attention_pairs,
+    kv_terms,
+    pieces_per_block,
+)
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.gpu_cache import Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
@@ -158,7 +167,9 @@ class SchedulerConfig:
     eviction: EvictionPolicy = EvictionPolicy.LRU
     window_logic: Literal["old", "new", "latest"] = "new"
     on_crash: Literal["record", "stop"] = "record"
-    step_cost: StepCostModel = ZERO_STEP
+    step_cost: StepTimeModel = ZERO_STEP
+    #: how vLLM cuts a GPU block into copies (:data:`sim.model.costs.TRANSFER_PIECES`)
+    transfer_piece: Literal["layer", "block"] = "layer"
     fast_forward: bool = True
     #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
     assertions: bool = True
@@ -286,6 +297,12 @@ class TransferJob:
     blocks: int
     nbytes: int
     plan: LoadPlan | StorePlan
+    #: separate copies vLLM makes for the job (a page per layer per block, or a packed block)
+    pieces: int = 0
+
+
+#: the load of a step that computes nothing
+_NO_LOAD = StepLoad()
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +320,7 @@ class StepPlan:
         released_finished: requests finished in the previous step were released.
         broke_deadlock: a request was rejected or holders were preempted to
             break a deadlock.
-        prefill_tokens, decode_seqs, context_tokens: the cost model's inputs.
+        load: the step cost model's input (:class:`~sim.model.costs.StepLoad`).
         stopped: a modelled crash stopped the run (``on_crash = "stop"``);
             nothing else of the plan is set.
     """
@@ -316,10 +333,23 @@ class StepPlan:
     flush: frozenset[int] = frozenset()
     released_finished: bool = False
     broke_deadlock: bool = False
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    context_tokens: float = 0.0
+    load: StepLoad = _NO_LOAD
     stopped: bool = False
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens computed in the step."""
+        return self.load.prefill_tokens
+
+    @property
+    def decode_seqs(self) -> int:
+        """Sequences that decode one token in the step."""
+        return self.load.decode_seqs
+
+    @property
+    def context_tokens(self) -> float:
+        """Attended KV, in full-attention token equivalents."""
+        return self.load.context_tokens
 
     @property
     def busy(self) -> bool:
@@ -392,35 +422,18 @@ def _ranges(names: Sequence[str | None]) -> tuple[ChunkRange, ...]:
     return tuple(out)
 
 
-# -- the cost model's context term -----------------------------------------------------------
-
-_FULL_KIND = GroupKind.FULL
-_CHUNKED_KIND = GroupKind.CHUNKED_LOCAL
-
-#: what a group of each kind reads of a ``c``-token context: full attention all
-#: of it; chunked local the tokens of its current ``span``-token chunk; a sliding
-#: window or a mamba state the last ``span`` tokens (the window, one state block)
-_SPAN: dict[GroupKind, Callable[[GroupSpec], int | None]] = {
-    GroupKind.FULL: lambda spec: 0,
-    GroupKind.SLIDING_WINDOW: lambda spec: spec.window,
-    GroupKind.CHUNKED_LOCAL: lambda spec: spec.attention_chunk,
-    GroupKind.MAMBA: lambda spec: spec.tokens_per_block,
-}
+# -- the cost model's inputs -----------------------------------------------------------------------
 
 
 class AttendedContext:
-    """KV bytes a request reads per step (see :data:`_SPAN`), per group weighted
-    by KV bytes per token; without byte figures every group weighs 1 byte per token."""
+    """KV bytes a request reads per step (:func:`sim.model.costs.attended_tokens`) and
+    the query-key pairs it computes (:func:`sim.model.costs.attention_pairs`), per
+    group; reads weighted by KV bytes per token (without byte figures every group
+    weighs 1 byte per token)."""
 
     def __init__(self, layout: Layout) -> None:
-        sized = all(layout.kv_bytes_per_block(g) for g in range(len(layout.groups)))
         #: per group: (kind, span tokens, KV bytes per token)
-        self.terms: list[tuple[GroupKind, int, int]] = []
-        for g, spec in enumerate(layout.groups):
-            bpt = max(1, (layout.kv_bytes_per_block(g) or 0) // spec.tokens_per_block) if sized else 1
-            span = _SPAN[spec.kind](spec)
-            assert span is not None
-            self.terms.append((spec.kind, span, bpt))
+        self.terms: list[tuple[GroupKind, int, int]] = kv_terms(layout)
         #: bytes per token over all groups (divides attended bytes into
         #: full-attention token equivalents)
         self.bytes_per_token = sum(bpt for _, _, bpt in self.terms)
@@ -429,21 +442,38 @@ class AttendedContext:
         """KV bytes one request reads with ``c`` tokens of context."""
         total = 0
         for kind, p, bpt in self.terms:
-            if kind is _FULL_KIND:
-                a = c
-            elif kind is _CHUNKED_KIND:
-                a = c - ((c - 1) // p) * p if c > 0 else 0
-            else:
-                a = c if c < p else p
-            total += a * bpt
+            total += attended_tokens(kind, p, c) * bpt
         return total
+
+    def load(self, work: Sequence[tuple[int, int, bool]]) -> StepLoad:
+        """The step load of ``(tokens computed before, new tokens, decodes)`` per scheduled request."""
+        prefill = decode = attended = 0
+        terms = self.terms
+        pairs = [0] * len(terms)
+        for p, c, is_decode in work:
+            if is_decode:
+                decode += 1
+            else:
+                prefill += c
+            for g, (kind, span, bpt) in enumerate(terms):
+                attended += attended_tokens(kind, span, p + c) * bpt
+                pairs[g] += attention_pairs(kind, span, p, c)
+        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs))
 
     def attended_runs(self, running: Sequence[LiveRequest], k: int) -> list[int]:
         """:meth:`attended` summed over ``running`` for decode steps 0..k-1
         (context ``num_computed + 1 + s``), vectorised; exact integers."""
+        return self.decode_runs(running, k)[0]
+
+    def decode_runs(self, running: Sequence[LiveRequest], k: int) -> tuple[list[int], list[tuple[int, ...]]]:
+        """For decode steps 0..k-1 of ``running`` (context ``num_computed + 1 + s``): the
+        attended bytes and the pairs per group of each step, vectorised; exact integers
+        equal to :meth:`load`'s."""
         c = (np.fromiter((r.num_computed + 1 for r in running), dtype=np.int64, count=len(running))[:, None]
              + np.arange(k, dtype=np.int64)[None, :])
         tot = np.zeros(k, dtype=np.int64)
+        per_group = []
+        n = len(running)
         for kind, p, bpt in self.terms:
             if kind is _FULL_KIND:
                 a = c
@@ -451,8 +481,17 @@ class AttendedContext:
                 a = c - ((c - 1) // p) * p
             else:
                 a = np.minimum(c, p)
-            tot += (a * bpt).sum(axis=0)
-        return [int(x) for x in tot]
+            sums = a.sum(axis=0)
+            tot += sums * bpt
+            # one decode token attends to the tokens it reads; a mamba state takes one update
+            per_group.append(np.full(k, n, dtype=np.int64) if kind is _MAMBA_KIND else sums)
+        pairs = [tuple(int(g[s]) for g in per_group) for s in range(k)]
+        return [int(x) for x in tot], pairs
+
+
+_FULL_KIND = GroupKind.FULL
+_CHUNKED_KIND = GroupKind.CHUNKED_LOCAL
+_MAMBA_KIND = GroupKind.MAMBA
 
 
 @dataclass
@@ -521,6 +560,8 @@ class Scheduler:
                                             offload_prompt_only=cfg.offload_prompt_only,
                                             assertions=cfg.assertions)
         self.block_bytes = tuple(layout.kv_bytes_per_block(g) or 0 for g in range(len(layout.groups)))
+        #: copies per GPU block of each group (:func:`sim.model.costs.pieces_per_block`)
+        self.block_pieces = tuple(pieces_per_block(g, cfg.transfer_piece) for g in layout.groups)
         self.context = AttendedContext(layout)
         self.stats = SchedulerStats()
         #: requests in the engine (not finished, or finished with final stores to build), by arrival
@@ -591,17 +632,10 @@ class Scheduler:
             self._release(r)
         self.finished_pending = []
         load_jobs = tuple(self._job(p, "h2d") for p in loads)
-        prefill = decode = attended = 0
-        att = self.context.attended
-        for r, num_new, _ in sched:
-            if r.num_computed >= r.num_prompt_tokens and r.num_computed == r.num_tokens - 1:
-                decode += 1
-            else:
-                prefill += num_new
-            attended += att(r.num_computed + num_new)
+        load = self.context.load([(r.num_computed, num_new, r.num_computed >= r.num_prompt_tokens
+                                   and r.num_computed == r.num_tokens - 1) for r, num_new, _ in sched])
         return StepPlan(tuple(sched), tuple(admitted), tuple(preempted), load_jobs, store_jobs,
-                        frozenset(flush), released, self._broke_deadlock, prefill, decode,
-                        attended / self.context.bytes_per_token)
+                        frozenset(flush), released, self._broke_deadlock, load)
 
     def _schedule_running(self, budget: int, sched: list[Scheduled], preempted: list[LiveRequest],
                           allocated: set[int]) -> int:
@@ -943,7 +977,8 @@ class Scheduler:
             r.store_jobs += 1
             s.store_jobs += 1
             s.stored_bytes += nbytes
-        return TransferJob(p.job_id, p.req_id, direction, len(p.keys), blocks, nbytes, p)
+        pieces = sum(n * k for n, k in zip(sizes, self.block_pieces, strict=True))
+        return TransferJob(p.job_id, p.req_id, direction, len(p.keys), blocks, nbytes, p, pieces)
 
     # -- output -----------------------------------------------------------------------------
 
@@ -1114,7 +1149,7 @@ class Scheduler:
         # time: step s (s >= 1) is in the window only if it starts before the horizon
         cost = self.cfg.step_cost
         kmax = min(kmax, 4096)
-        ctx = self.context.attended_runs(running, kmax)
+        ctx, pairs = self.context.decode_runs(running, kmax)
         bpt_total = self.context.bytes_per_token
         ctx0 = ctx[0] / bpt_total
         durs: list[float] = []
@@ -1122,7 +1157,8 @@ class Scheduler:
         while len(durs) < kmax:
             if durs and not t < horizon:
                 break
-            d = cost.step_time(0, n, ctx[len(durs)] / bpt_total)
+            s = len(durs)
+            d = cost.time(StepLoad(0, n, ctx[s] / bpt_total, n, ctx[s], pairs[s]))
             durs.append(d)
             t = t + d
         k = len(durs)

@@ -11,7 +11,8 @@ import pytest
 from sim.engine.loop import Engine, EngineConfig, InvariantViolation, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import MultiTurnParams, Request, iter_multiturn
-from sim.model.costs import StepCostModel, TransferModel
+from sim.model.costs import HostOverhead, RooflineStepModel, StepCostModel, TransferModel
+from sim.model.layout import GroupKind, GroupSpec, KVShape, Layout
 from tests.engine.worlds import (
     FA16,
     HALF_S_LINK,
@@ -117,6 +118,21 @@ FF_CASES = {
                               h2d=TransferModel(1e8, 1e-4), d2h=TransferModel(1e8, 1e-4),
                               occupancy_interval_s=0.37),
     "fa-zero-time": EngineConfig(layout=FA16, gpu_blocks=2000, prefix_caching=False, cpu_capacity_chunks=100),
+    # the roofline (pairs per group, KV bytes, host time per request), per-layer copies, duplex links
+    "hybrid-roofline": EngineConfig(layout=HYBRID, gpu_blocks=1500, cpu_capacity_chunks=200,
+                                    step_cost=RooflineStepModel(2e9, 5e8, (3e4, 3e4), 4e9, 1e14, 2e12,
+                                                                HostOverhead(1e-3, 2e-5)),
+                                    h2d=TransferModel(2e9, 1e-4, 3e-6, 0.47),
+                                    d2h=TransferModel(2e9, 1e-4, 3e-6, 0.95)),
+    "chunked-mamba-roofline": EngineConfig(
+        layout=Layout.of([GroupSpec(GroupKind.FULL, 16, shape=KVShape(2, 2, 64)),
+                          GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=256,
+                                    shape=KVShape(2, 2, 64)),
+                          GroupSpec(GroupKind.MAMBA, 16, shape=KVShape(2, 4, 64))],
+                         tokens_per_hash=16, blocks_per_chunk=2),
+        gpu_blocks=2500, cpu_capacity_chunks=300,
+        step_cost=RooflineStepModel(2e9, 5e8, (3e4, 3e4, 9e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5)),
+        h2d=TransferModel(1e9, 1e-4, 3e-6, 0.5), d2h=TransferModel(1e9, 1e-4, 3e-6, 0.9)),
 }
 
 
@@ -314,3 +330,20 @@ path = "{data}"
     s = res.summary
     assert s.requests_arrived == 5 and s.requests_finished + s.requests_rejected == 5
     assert s.requests_finished >= 2
+
+
+@pytest.mark.parametrize(("piece", "per_block"), [("layer", 2), ("block", 1)])
+def test_transfer_time_counts_vllm_copy_pieces(piece: str, per_block: int) -> None:
+    """Every job costs latency + pieces x overhead + bytes / bandwidth; HYBRID's groups have 2
+    layers each, so a block is 2 copies per layer-page, or 1 packed."""
+    reqs = [req("a", 0, 256, 2, prefix=1), req("b", 5, 256, 2, prefix=1)]
+    link = TransferModel(1e9, 1e-4, 1e-3)
+    cfg = EngineConfig(layout=HYBRID, gpu_blocks=3000, cpu_capacity_chunks=100, prefix_caching=False,
+                       step_cost=StepCostModel(0.01, 1e-5), h2d=link, d2h=link,
+                       transfer_piece=piece)  # type: ignore[arg-type]
+    f, _ = run(cfg, reqs)
+    x = f["transfers"]
+    assert set(x.direction) == {"h2d", "d2h"}
+    for row in x.itertuples():
+        want = 1e-4 + row.blocks * per_block * 1e-3 + row.bytes / 1e9
+        assert row.end_s - row.start_s == pytest.approx(want, rel=1e-9)

@@ -1,5 +1,6 @@
-"""The model library ``scenarios/models/``: every file loads, builds layouts, agrees with its
-cost profile, runs in a scenario and simulates; the published facts of each model hold."""
+"""The model library ``scenarios/models/``: every file loads, builds layouts, has the shapes its
+step cost needs (one home: the file), runs in a scenario and simulates; the published facts of
+each model hold."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from pathlib import Path
 import pytest
 
 from sim.engine.metrics import Recorder
-from sim.io.scenario import ModelFile, ModelGroup, load_model_file, load_run, scenarios_dir
-from sim.model.costs import MODEL_COST_PROFILES, step_model_for
+from sim.io.scenario import (
+    ModelFile,
+    ModelGroup,
+    group_spec,
+    load_model_file,
+    load_run,
+    model_shape,
+    scenarios_dir,
+    step_model_for,
+)
 from sim.model.layout import DTYPE_BYTES, GroupKind, GroupSpec, KVShape, Layout, LayoutError
 
 MODELS_DIR = scenarios_dir() / "models"
@@ -99,32 +108,36 @@ def test_only_the_deepseek_layout_needs_8_token_hashes() -> None:
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids(FILES))
-def test_kv_bytes_agree_with_own_cost_profile(path: Path) -> None:
-    """A file whose cost profile is its own (same name) must give exactly the profile's KV bytes
-    per token. Files that borrow another model's profile (hybrid-demo) say so in their comments."""
+def test_shapes_give_a_step_model(path: Path) -> None:
+    """A file's [shape] gives a parameter count and a step model; a file without one borrows a
+    shipped model's (cost_profile, which must have a shape), or has no step model at all."""
     mf = load_model_file(path)
-    if mf.cost_profile is None:
+    if mf.shape is None:
+        if mf.cost_profile is not None:
+            assert model(mf.cost_profile).shape is not None
         return
-    assert mf.cost_profile in MODEL_COST_PROFILES
-    if mf.cost_profile == mf.name:
-        assert kv_bytes_per_token(mf) == MODEL_COST_PROFILES[mf.name].kv_bytes_per_token
+    assert mf.cost_profile is None          # one home: no second profile beside the own shape
+    shape = model_shape(mf.name, mf.shape, mf.groups, mf.weights_bytes, mf.name, "")
+    total, active = shape.param_counts([group_spec(g, 1) for g in mf.groups])
+    assert 0 < active <= total
+    assert shape.total_weight_bytes([group_spec(g, 1) for g in mf.groups]) >= active  # >= 1 byte/param
+    step = step_model_for("h200", mf.name, tensor_parallel=1, tokens_per_hash=tokens_per_hash(mf))
+    assert len(step.pair_flops) == len(mf.groups) and all(f > 0 for f in step.pair_flops)
 
 
-def test_library_models_name_their_own_profile() -> None:
+def test_library_models_have_their_own_shape() -> None:
     for name in LIBRARY:
         mf = model(name)
-        assert mf.cost_profile == name
-        assert mf.params_b is not None and mf.params_b > 1
-        p = MODEL_COST_PROFILES[name]
-        assert p.sources and all(s for s in p.sources)
-        assert p.active_params <= p.weight_bytes  # at least one byte per active parameter
+        assert mf.shape is not None and mf.cost_profile is None, name
+        assert mf.params_b is None, name     # the weights come from the shape (or weights_bytes)
 
 
 def test_kv_bytes_check_can_fail() -> None:
     mf = model("gemma-3-27b")
+    assert kv_bytes_per_token(mf) == 507_904
     changed = mf.model_copy(update={"groups": [*mf.groups[:-1],
                                                mf.groups[-1].model_copy(update={"layers": 11})]})
-    assert kv_bytes_per_token(changed) != MODEL_COST_PROFILES["gemma-3-27b"].kv_bytes_per_token
+    assert kv_bytes_per_token(changed) != 507_904
 
 
 def test_readme_table_matches_the_files() -> None:
@@ -218,7 +231,7 @@ def test_llama_3_1_70b() -> None:
 
 
 def run_toml(mf: ModelFile, *, limit: int, pool: str, tp: int = 1) -> str:
-    step = "auto" if mf.cost_profile is not None else "zero"
+    step = "auto" if mf.cost_profile is not None or mf.shape is not None else "zero"
     return f"""
 schema = "run/1"
 seed = 1
@@ -269,7 +282,7 @@ def test_default_kv_budget_on_two_h200(name: str, tmp_path: Path) -> None:
     spec = load_run(f)
     assert spec.gpu_kv_bytes is not None and spec.gpu_kv_bytes > 10 * 2**30
     assert spec.gpu_blocks == spec.gpu_kv_bytes // spec.block_bytes
-    step = step_model_for("h200", name, tensor_parallel=2)
+    step = step_model_for("h200", name, tensor_parallel=2, tokens_per_hash=tokens_per_hash(mf))
     assert spec.step_cost == step
 
 

@@ -12,24 +12,40 @@ import pytest
 from sim.errors import InputError
 from sim.io.scenario import (
     RunScenario,
+    group_spec,
+    load_model_file,
     load_run,
+    model_shape,
     parse_bandwidth,
     parse_size,
     scenarios_dir,
+    step_model_for,
 )
 from sim.io.validate import validate_file
 from sim.io.workload import MultiTurnParams
 from sim.model.costs import (
     GPU_PROFILES,
-    MODEL_COST_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
+    RooflineStepModel,
     StepCostModel,
-    step_model_for,
+    roofline_step_model,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes
 from sim.model.layout import GroupKind
 from tests.helpers import ROOT
+
+
+def borrowed_step(profile: str, tp: int = 1, model: str = "hybrid-demo") -> RooflineStepModel:
+    """The step model of ``model`` borrowing ``profile``'s shape: the profile's parameters and
+    weights, the model's own groups for the attention FLOPs, the H200's figures."""
+    models = scenarios_dir() / "models"
+    p, m = load_model_file(models / f"{profile}.toml"), load_model_file(models / f"{model}.toml")
+    assert p.shape is not None
+    shape = model_shape(p.name, p.shape, p.groups, p.weights_bytes, profile, "")
+    return roofline_step_model(GPU_PROFILES["h200"], shape, [group_spec(g, tp) for g in m.groups],
+                               param_groups=[group_spec(g, 1) for g in p.groups], tensor_parallel=tp)
+
 
 #: hybrid-demo: 16 tokens x 18 layers x 2 (K, V) x 8 heads x 64 x 2 bytes, worked by hand
 HYBRID_BLOCK = 16 * 18 * 2 * 8 * 64 * 2
@@ -95,7 +111,7 @@ def test_every_default_is_applied(tmp_path: Path):
             cfg.offload_prompt_only, cfg.fast_forward) == (8192, 256, True, True, True, True)
     assert cfg.eviction is EvictionPolicy.LRU
     assert (cfg.window_logic, cfg.on_crash) == ("new", "record")
-    assert cfg.step_cost == step_model_for("h200", "qwen3-30b-a3b")
+    assert cfg.step_cost == borrowed_step("qwen3-30b-a3b")
     h200 = GPU_PROFILES["h200"]
     assert cfg.h2d == h200.h2d and cfg.d2h == h200.d2h  # the hardware file agrees with sim.model.costs
     assert (cfg.occupancy_interval_s, cfg.max_sim_time_s) == (1.0, None)
@@ -112,6 +128,10 @@ def test_hardware_profiles_match_the_cost_model():
             link = getattr(GPU_PROFILES[name], d)
             assert parse_bandwidth(hw[f"{d}_bandwidth"]) == link.bandwidth_bytes_per_s
             assert hw[f"{d}_latency_s"] == link.latency_s
+            assert hw[f"{d}_piece_overhead_s"] == link.piece_overhead_s
+            assert hw[f"{d}_duplex_factor"] == link.duplex_factor
+        host = GPU_PROFILES[name].host
+        assert (hw["host_step_s"], hw["host_per_request_s"]) == (host.step_s, host.per_request_s)
 
 
 def test_cpu_capacity_in_bytes_follows_spec_3_1(tmp_path: Path):
@@ -137,7 +157,7 @@ def test_tensor_parallel_shards_heads_and_counts_copies(tmp_path: Path):
     assert spec.block_bytes == HYBRID_BLOCK // 2  # 4 of the 8 KV heads per worker
     assert spec.gpu_blocks == 8 * GIB // (HYBRID_BLOCK // 2)
     assert spec.cpu_chunks == 16 * GIB // HYBRID_BLOCK  # two copies of a half-size slot
-    assert spec.step_cost == step_model_for("h200", "qwen3-30b-a3b", tensor_parallel=2)
+    assert spec.step_cost == borrowed_step("qwen3-30b-a3b", tp=2)
 
 
 def test_explicit_gpu_pool(tmp_path: Path):
@@ -285,7 +305,7 @@ def test_model_by_name_path_and_inline_agree(tmp_path: Path):
 def test_model_section_overrides_the_file(tmp_path: Path):
     spec = load_run(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
                                                     'name = "hybrid-demo"\ncost_profile = "llama-3.1-8b"')))
-    assert spec.step_cost == step_model_for("h200", "llama-3.1-8b")
+    assert spec.step_cost == borrowed_step("llama-3.1-8b")
     err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
                                                    'name = "hybrid-demo"\ncost_profile = "gpt-9"')))
     assert err.key == "model.cost_profile" and "llama-3.1-8b" in err.allowed
@@ -392,9 +412,11 @@ def test_auto_step_needs_a_cost_profile(tmp_path: Path):
 
 
 def test_shipped_cost_profiles_exist():
-    for f in (scenarios_dir() / "models").glob("*.toml"):
+    models = scenarios_dir() / "models"
+    for f in models.glob("*.toml"):
         data = tomllib.loads(f.read_text())
-        assert data.get("cost_profile") in (None, *MODEL_COST_PROFILES)
+        if data.get("cost_profile") is not None:
+            assert "shape" in tomllib.loads((models / f"{data['cost_profile']}.toml").read_text())
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -586,3 +608,110 @@ def test_validate_check_files(tmp_path: Path):
     batch = tmp_path / "b.json"
     batch.write_text(json.dumps([tomllib.loads(src), tomllib.loads(src)]))
     assert validate_file(batch) == "check/1: 2 scenarios"
+
+
+# -- shapes, copy pieces, link and host figures (issue 17) ---------------------------------------
+
+LLAMA8 = MINIMAL.replace('name = "hybrid-demo"', 'name = "llama-3.1-8b"') + '[hardware]\nprofile = "h100"\n'
+SHAPE = ('shape = { hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 4096 }\n')
+
+
+def test_resolved_toml_round_trips_a_shape_and_the_link_figures(tmp_path: Path):
+    p = write(tmp_path, LLAMA8, "llama.toml")
+    _round_trip(tmp_path, p, ["hardware.h2d_duplex_factor=0.6", "hardware.host_per_request_s=2e-5",
+                              "model.kv_transfer_piece=\"block\""])
+    inline = MINIMAL.replace('name = "hybrid-demo"', INLINE_GROUPS + SHAPE)
+    _round_trip(tmp_path, write(tmp_path, inline, "inline.toml"), ["workload.limit=3"])
+
+
+def test_shipped_model_shape_gives_the_roofline_and_the_hardware_figures(tmp_path: Path):
+    spec = load_run(write(tmp_path, LLAMA8))
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost == step_model_for("h100", "llama-3.1-8b")
+    # default KV budget from the shape's weights (8,029,995,008 parameters x 2 bytes, no params_b)
+    assert spec.gpu_kv_bytes == int(0.9 * 80e9) - 2 * 8_029_995_008
+    h100 = GPU_PROFILES["h100"]
+    assert spec.h2d == h100.h2d and spec.d2h == h100.d2h
+    assert spec.step_cost.host == h100.host
+    cfg = spec.engine_config()
+    assert cfg.transfer_piece == "layer"
+    over = load_run(write(tmp_path, LLAMA8), ["hardware.h2d_piece_overhead_s=1e-5",
+                                               "hardware.d2h_duplex_factor=1", "hardware.host_step_s=0",
+                                               "model.kv_transfer_piece=\"block\""])
+    assert over.h2d.piece_overhead_s == 1e-5 and over.d2h.duplex_factor == 1.0
+    assert isinstance(over.step_cost, RooflineStepModel) and over.step_cost.host.step_s == 0.0
+    assert over.engine_config().transfer_piece == "block"
+
+
+def test_a_hardware_file_without_the_new_keys_takes_its_gpus_figures(tmp_path: Path):
+    hw = (scenarios_dir() / "hardware" / "h200.toml").read_text()
+    keep = [line for line in hw.splitlines() if not line.startswith(("h2d_piece", "d2h_piece", "h2d_duplex",
+                                                                     "d2h_duplex", "host_"))]
+    (tmp_path / "old.toml").write_text("\n".join(keep) + "\n")
+    spec = load_run(write(tmp_path, MINIMAL + '[hardware]\nprofile = "old.toml"\n'))
+    h200 = GPU_PROFILES["h200"]
+    assert spec.h2d == h200.h2d and spec.d2h == h200.d2h
+    assert isinstance(spec.step_cost, RooflineStepModel) and spec.step_cost.host == h200.host
+
+
+@pytest.mark.parametrize(("extra", "key", "allowed"), [
+    ("[hardware]\nh2d_duplex_factor = 1.5\n", "hardware.h2d_duplex_factor", "1"),
+    ("[hardware]\nd2h_duplex_factor = 0\n", "hardware.d2h_duplex_factor", "0"),
+    ("[hardware]\nhost_step_s = -1.0\n", "hardware.host_step_s", "0"),
+    ("[hardware]\nh2d_piece_overhead_s = -1e-6\n", "hardware.h2d_piece_overhead_s", "0"),
+    ("[hardware]\nhost_per_request_s = \"fast\"\n", "hardware.host_per_request_s", "number"),
+])
+def test_bad_link_and_host_figures_are_one_line(tmp_path: Path, extra: str, key: str, allowed: str):
+    err = error_of(write(tmp_path, MINIMAL + extra))
+    assert err.key == key and allowed in err.allowed
+    assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize(("shape", "key", "allowed"), [
+    ("{ hidden_size = 1024, vocab_size = 32000 }", "model.shape.query_heads", ""),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16 }", "model.shape.intermediate_size",
+     "positive"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, params = 9 }",
+     "model.shape", "both"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, experts = 8, experts_per_token = 9, "
+     "expert_intermediate_size = 64 }", "model.shape.experts_per_token", "1 to 8"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, experts = 8, experts_per_token = 2 }",
+     "model.shape.expert_intermediate_size", "positive"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
+     "weight_dtype = \"fp6\" }", "model.shape.weight_dtype", "bf16"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, speed = 1 }",
+     "model.shape.speed", "hidden_size"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
+     "params = 10, active_params = 20 }", "model.shape.active_params", "<="),
+])
+def test_bad_shapes_are_one_line(tmp_path: Path, shape: str, key: str, allowed: str):
+    text = MINIMAL.replace('name = "hybrid-demo"', INLINE_GROUPS + f"shape = {shape}\n")
+    err = error_of(write(tmp_path, text))
+    assert err.key == key and allowed in err.allowed
+    assert "\n" not in str(err)
+
+
+def test_mamba_and_mla_groups_need_the_counts_and_the_state(tmp_path: Path):
+    mamba = INLINE_GROUPS.replace('{ kind = "sliding_window", tokens_per_block = 16, window = 128,',
+                                  '{ kind = "mamba", tokens_per_block = 16,')
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + SHAPE)))
+    assert err.key == "model.shape.params" and "active_params" in err.allowed
+    counted = SHAPE.replace("}", ", params = 10000000000, active_params = 1000000000 }")
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + counted)))
+    assert err.key == "model.shape.mamba_state_elements"
+    ok = counted.replace("}", ", mamba_state_elements = 65536 }")
+    spec = load_run(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"', mamba + ok)))
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost.pair_flops[1] == 7 * 65536 * 18
+
+
+def test_cost_profile_must_name_a_shipped_model_with_a_shape(tmp_path: Path):
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\ncost_profile = "spec6"')))
+    assert err.key == "model.cost_profile" and "no [shape]" in err.problem and "llama-3.1-8b" in err.allowed
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\ncost_profile = "../etc/x"')))
+    assert err.key == "model.cost_profile"
+    err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
+                                                   'name = "hybrid-demo"\nkv_transfer_piece = "page"')))
+    assert err.key == "model.kv_transfer_piece" and "layer" in err.allowed

@@ -300,3 +300,20 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
     # a full-attention-only layout keeps the plain token count
     fa_only = AttendedContext(FA16)
     assert fa_only.attended(777) / fa_only.bytes_per_token == 777
+
+    # the step load: a 200-token prefill chunk after 900 computed tokens and one decode at 63
+    load = ctx.load([(900, 200, False), (63, 1, True)])
+    assert (load.prefill_tokens, load.decode_seqs, load.requests) == (200, 1, 2)
+    assert load.kv_read_bytes == ctx.attended(1100) + ctx.attended(64)
+    assert load.context_tokens == load.kv_read_bytes / 20
+    assert load.pairs == (
+        200 * 900 + 200 * 201 // 2 + 64,                     # full: causal, quadratic in the chunk
+        200 * 128 + 64,                                       # sliding window: 128 keys per query
+        sum(t % 64 + 1 for t in range(900, 1100)) + 64,       # chunked local: its own chunk
+        200 + 1,                                              # mamba: a state update per token
+    )
+    # fast-forward's vectorised decode loads are the same integers as stepping's
+    bytes_, pairs = ctx.decode_runs(rs, 70)  # type: ignore[arg-type]
+    for s in range(70):
+        step = ctx.load([(r.num_computed + s, 1, True) for r in rs])
+        assert (bytes_[s], pairs[s]) == (step.kv_read_bytes, step.pairs)

@@ -1,0 +1,268 @@
+"""Tests of the roofline step model, the attention pairs per group kind and the
+transfer pieces (sim.model.costs), with the shapes of the shipped model files.
+
+The parameter counts are checked against counts made independently from each
+model's config.json (the figures of docs/costs.md, norms included, so the
+derivation, which leaves norms out, must come within 0.01 %); the pairs
+against brute-force sums over the causal mask; the acceptance check of issue
+17 (a 90,000-token prefill of Llama 3.1 8B costs more than 90 times a
+1,000-token one) against the engine-independent chunked prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
+from sim.model.costs import (
+    GPU_PROFILES,
+    HostOverhead,
+    ModelShape,
+    RooflineStepModel,
+    StepLoad,
+    TransferModel,
+    attended_tokens,
+    attention_pairs,
+    chunked_prefill_time,
+    pieces_per_block,
+    roofline_step_model,
+)
+from sim.model.layout import GroupKind, GroupSpec, KVShape, Layout
+
+
+def brute_pairs(kind: GroupKind, span: int, p: int, c: int) -> int:
+    """Keys each new token at position t attends to, summed (or one state update each)."""
+    total = 0
+    for t in range(p, p + c):
+        if kind is GroupKind.FULL:
+            total += t + 1
+        elif kind is GroupKind.SLIDING_WINDOW:
+            total += min(t + 1, span)
+        elif kind is GroupKind.CHUNKED_LOCAL:
+            total += t % span + 1
+        else:
+            total += 1
+    return total
+
+
+KINDS = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL, GroupKind.MAMBA]
+
+
+@given(st.sampled_from(KINDS), st.integers(1, 300), st.integers(0, 2000), st.integers(0, 700))
+def test_pairs_are_the_causal_mask(kind: GroupKind, span: int, p: int, c: int) -> None:
+    assert attention_pairs(kind, span, p, c) == brute_pairs(kind, span, p, c)
+
+
+def test_pairs_worked_examples() -> None:
+    # full attention: a chunk of c new tokens after p cached ones: c x p + c (c + 1) / 2
+    assert attention_pairs(GroupKind.FULL, 0, 0, 1000) == 500_500
+    assert attention_pairs(GroupKind.FULL, 0, 8192, 8192) == 8192 * 8192 + 8192 * 8193 // 2
+    # sliding window 128: bounded by 128 keys per query, whatever the prefix
+    assert attention_pairs(GroupKind.SLIDING_WINDOW, 128, 10**6, 1000) == 128_000
+    assert attention_pairs(GroupKind.SLIDING_WINDOW, 128, 0, 200) == 128 * 129 // 2 + 72 * 128
+    # chunked local 8192: a chunk starting at a chunk boundary sees only itself
+    assert attention_pairs(GroupKind.CHUNKED_LOCAL, 8192, 8192, 8192) == 8192 * 8193 // 2
+    # mamba: one state update per new token
+    assert attention_pairs(GroupKind.MAMBA, 544, 10**6, 37) == 37
+    # decode (c = 1): the keys one token reads = the tokens the group attends
+    for kind, span in [(GroupKind.FULL, 0), (GroupKind.SLIDING_WINDOW, 128), (GroupKind.CHUNKED_LOCAL, 100)]:
+        for p in (0, 5, 127, 128, 129, 1000):
+            assert attention_pairs(kind, span, p, 1) == attended_tokens(kind, span, p + 1)
+
+
+# -- shapes of the shipped models -------------------------------------------------------------------------
+
+#: (total, active) parameters counted from config.json with the norms (docs/costs.md); the models
+#: whose files give the counts (gpt-oss, Qwen3-Next, DeepSeek) are checked for equality
+RECOUNTS = {
+    "llama-3.1-8b": (8_030_261_248, 8_030_261_248),
+    "llama-3.1-70b": (70_553_706_496, 70_553_706_496),
+    "qwen3-8b": (8_190_735_360, 8_190_735_360),
+    "qwen3-32b": (32_762_123_264, 32_762_123_264),
+    "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+    "gemma-3-27b": (27_009_346_304, 27_009_346_304),
+    "llama-4-scout": (107_769_861_120, 17_172_894_720),
+    "gpt-oss-120b": (116_829_156_672, 5_711_982_912),
+    "qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408),
+}
+
+
+def shipped(name: str) -> tuple[ModelShape, list[GroupSpec]]:
+    mf = load_model_file(scenarios_dir() / "models" / f"{name}.toml")
+    assert mf.shape is not None
+    from sim.io.scenario import model_shape
+
+    return model_shape(mf.name, mf.shape, mf.groups, mf.weights_bytes, name, ""), [
+        group_spec(g, 1) for g in mf.groups]
+
+
+@pytest.mark.parametrize("name", sorted(RECOUNTS))
+def test_parameter_counts_match_the_config_recounts(name: str) -> None:
+    shape, groups = shipped(name)
+    total, active = shape.param_counts(groups)
+    want_total, want_active = RECOUNTS[name]
+    assert total == pytest.approx(want_total, rel=1e-4)
+    assert active == pytest.approx(want_active, rel=1e-4)
+    assert total <= want_total and active <= want_active   # the derivation leaves the norms out
+
+
+def test_llama_8b_derivation_by_hand() -> None:
+    shape, groups = shipped("llama-3.1-8b")
+    h, v, layers = 4096, 128256, 32
+    attn = h * 128 * (2 * 32 + 2 * 8)
+    mlp = 3 * h * 14336
+    assert shape.param_counts(groups) == (layers * (attn + mlp) + 2 * v * h,) * 2
+    assert shape.total_weight_bytes(groups) == 2 * (layers * (attn + mlp) + 2 * v * h)
+
+
+def test_shape_validation() -> None:
+    with pytest.raises(ValueError, match="both params"):
+        ModelShape("m", 8, 8, 1, intermediate_size=8, params=10)
+    with pytest.raises(ValueError, match="experts_per_token"):
+        ModelShape("m", 8, 8, 1, experts=4, experts_per_token=5, expert_intermediate_size=8)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelShape("m", 8, 8, 1)
+    mamba = GroupSpec(GroupKind.MAMBA, 16, shape=KVShape(2, 1, 8))
+    with pytest.raises(ValueError, match="params"):
+        ModelShape("m", 8, 8, 1, intermediate_size=8).param_counts([mamba])
+
+
+# -- the roofline ----------------------------------------------------------------------------------------
+
+
+def llama8b(gpu: str = "h100", tp: int = 1) -> tuple[RooflineStepModel, Layout]:
+    mf = load_model_file(scenarios_dir() / "models" / "llama-3.1-8b.toml")
+    return step_model_for(gpu, "llama-3.1-8b", tensor_parallel=tp), Layout.of(
+        [group_spec(g, tp) for g in mf.groups], 16, 1)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_90k_prefill_costs_more_than_90x_a_1k_prefill(gpu: str) -> None:
+    """Issue 17's acceptance check: causal attention is quadratic in the prompt."""
+    m, layout = llama8b(gpu)
+    short = chunked_prefill_time(m, layout, 1_000, 8192)
+    long = chunked_prefill_time(m, layout, 90_000, 8192)
+    assert long > 90 * short
+    # and it is the attention term that does it: without it the ratio stays below 90
+    linear = dataclasses.replace(m, pair_flops=(0.0,))
+    assert chunked_prefill_time(linear, layout, 90_000, 8192) < 90 * chunked_prefill_time(
+        linear, layout, 1_000, 8192)
+
+
+def test_llama_8b_prefill_figures_by_hand() -> None:
+    m, layout = llama8b("h100")
+    g = GPU_PROFILES["h100"]
+    params = 8_029_995_008
+    emb = 128256 * 4096
+    flops = 2 * (params - 2 * emb) * 1000 + 2 * emb + 4 * 32 * 128 * 32 * 500_500
+    compute = flops / (g.dense_bf16_flops * 0.5)
+    memory = (2 * params + 1000 * 131_072) / (g.hbm_bandwidth_bytes_per_s * 0.8)
+    assert compute > memory                    # a 1,000-token prefill is compute-bound
+    want = 1.4e-3 + 15e-6 + compute
+    assert chunked_prefill_time(m, layout, 1000, 8192) == pytest.approx(want, rel=1e-12)
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
+    m, _ = llama8b("h100")
+    one = StepLoad(decode_seqs=1, requests=1, kv_read_bytes=1000 * 131_072, pairs=(1000,))
+    assert m.memory_s(one) > m.compute_s(one)
+    assert m.time(one) == pytest.approx(1.4e-3 + 15e-6 + m.memory_s(one), rel=1e-12)
+    # the weight-bandwidth floor: 16.06 GB at 3.35 TB/s
+    assert m.time(one) > 16.06e9 / 3.35e12
+    big = StepLoad(prefill_tokens=8192, requests=1, kv_read_bytes=8192 * 131_072, pairs=(8192 * 8193 // 2,))
+    assert m.compute_s(big) > m.memory_s(big)
+
+
+def test_host_overhead_grows_with_the_batch() -> None:
+    m, _ = llama8b("h100")
+    quiet = dataclasses.replace(m, host=HostOverhead(0.0, 0.0))
+    for n in (1, 64, 256):
+        load = StepLoad(decode_seqs=n, requests=n, kv_read_bytes=n * 100, pairs=(n * 100,))
+        assert m.time(load) - quiet.time(load) == pytest.approx(1.4e-3 + 15e-6 * n, rel=1e-9)
+
+
+def test_h200_not_slower_and_tensor_parallel_splits() -> None:
+    a, _ = llama8b("h100")
+    b, _ = llama8b("h200")
+    two, _ = llama8b("h100", tp=2)
+    load = StepLoad(prefill_tokens=512, decode_seqs=32, requests=33, kv_read_bytes=10**9, pairs=(10**7,))
+    assert b.time(load) <= a.time(load)
+    assert two.token_flops == pytest.approx(a.token_flops / 2)
+    assert two.weight_bytes == pytest.approx(a.weight_bytes / 2)
+    assert two.pair_flops[0] == pytest.approx(a.pair_flops[0] / 2)
+
+
+def test_moe_computes_with_active_and_reads_all_weights() -> None:
+    m = step_model_for("h100", "qwen3-30b-a3b")
+    shape, groups = shipped("qwen3-30b-a3b")
+    total, active = shape.param_counts(groups)
+    assert m.weight_bytes == 2 * total
+    assert m.token_flops == 2 * (active - 2 * 151936 * 2048)
+
+
+def test_pair_flops_per_kind() -> None:
+    # gpt-oss-120b: 64 query heads of 64 in 18 sliding and 18 full layers
+    m = step_model_for("h200", "gpt-oss-120b")
+    assert m.pair_flops == (4 * 64 * 64 * 18, 4 * 64 * 64 * 18)
+    # Qwen3-Next: 3 mamba groups of 12 Gated DeltaNet layers (524,288 state elements), 12 full
+    q = step_model_for("h200", "qwen3-next-80b-a3b", tensor_parallel=2)
+    assert q.pair_flops == (7 * 524_288 * 12 / 2,) * 3 + (4 * 16 * 256 * 12 / 2,)
+
+
+def test_roofline_rejects_bad_arguments() -> None:
+    shape, groups = shipped("llama-3.1-8b")
+    g = GPU_PROFILES["h100"]
+    for kwargs in ({"tensor_parallel": 0}, {"tensor_parallel": True}, {"mfu": 0.0}, {"mbu": 1.5}):
+        with pytest.raises(ValueError):
+            roofline_step_model(g, shape, groups, **kwargs)  # type: ignore[arg-type]
+    mamba = GroupSpec(GroupKind.MAMBA, 16, shape=KVShape(2, 1, 8))
+    no_state = ModelShape("m", 8, 8, 1, params=1000, active_params=1000)
+    with pytest.raises(ValueError, match="mamba_state_elements"):
+        roofline_step_model(g, no_state, [mamba])
+
+
+# -- transfer pieces ----------------------------------------------------------------------------------------
+
+
+def test_pieces_per_block() -> None:
+    spec = GroupSpec(GroupKind.FULL, 16, shape=KVShape(32, 8, 128))
+    assert pieces_per_block(spec, "layer") == 32
+    assert pieces_per_block(spec, "block") == 1
+    assert pieces_per_block(GroupSpec(GroupKind.FULL, 16), "layer") == 1
+
+
+def test_piece_overhead_and_the_bandwidth_curve() -> None:
+    link = GPU_PROFILES["h100"].h2d
+    # one 16-token Llama 3.1 8B block: 32 per-layer pages of 64 KiB
+    assert link.time(2 * 2**20, 32) == 10e-6 + 32 * 2.5e-6 + 2 * 2**20 / 55e9
+    assert TransferModel(55e9, 10e-6).time(2 * 2**20, 32) == 10e-6 + 2 * 2**20 / 55e9
+    curve = [link.piece_bandwidth(2**k) for k in range(10, 27)]
+    assert curve == sorted(curve)                         # slow for small pieces, rising ...
+    assert curve[0] < 0.01 * 55e9 and curve[-1] > 0.95 * 55e9   # ... towards the peak
+    half = link.piece_overhead_s * link.bandwidth_bytes_per_s  # the size at half the peak
+    assert link.piece_bandwidth(round(half)) == pytest.approx(55e9 / 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("factor", [0.0, -0.5, 1.5, float("nan")])
+def test_transfer_rejects_bad_duplex_factor(factor: float) -> None:
+    with pytest.raises(ValueError, match="duplex_factor"):
+        TransferModel(1e9, 0.0, 0.0, factor)
+
+
+counts = st.integers(min_value=0, max_value=10**6)
+
+
+@given(counts, counts, counts, st.integers(0, 10**12), counts, counts)
+def test_roofline_time_is_monotone_in_every_input(p: int, d: int, n: int, kv: int, a: int, b: int) -> None:
+    m = RooflineStepModel(2e9, 5e8, (3e4, 7e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5))
+    base = StepLoad(p, d, 0.0, n, kv, (a, b))
+    t = m.time(base)
+    assert t >= 1e-3 + 2e-5 * n
+    more = [{"prefill_tokens": p + 1}, {"decode_seqs": d + 1}, {"requests": n + 1},
+            {"kv_read_bytes": kv + 10**6}, {"pairs": (a + 1, b)}, {"pairs": (a, b + 1)}]
+    for change in more:
+        assert m.time(dataclasses.replace(base, **change)) >= t  # type: ignore[arg-type]
