@@ -56,6 +56,9 @@ What it models
 
 Simplifications
     * See :mod:`sim.model.scheduler` for the policy's.
+    * With the ``belady`` eviction policy the whole workload is read before
+      the run starts (:mod:`sim.model.future` needs its future uses), so
+      memory grows with the trace for that policy only.
     * An idle engine does not spin: it sleeps until an arrival or a transfer
       completion (vLLM polls with empty steps; no state changes in between).
 
@@ -79,6 +82,8 @@ from sim.engine.links import LATE, At, CopyHooks, Link, Proc, Transfer
 from sim.engine.metrics import EventRow, OccupancyRow, Recorder, RequestRow, RunSummary, StepRow, TransferRow
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel
+from sim.model.cpu_cache import EvictionPolicy
+from sim.model.future import FutureUses
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
     InvariantViolation,
@@ -166,7 +171,12 @@ class Engine:
         self.env = simpy.Environment()
         self.layout = cfg.layout
         hooks = SchedulerHooks(event=self._model_event, release=self._release)
-        self.sched = Scheduler(cfg, hooks)
+        future: FutureUses | None = None
+        if cfg.offloading and cfg.eviction is EvictionPolicy.BELADY:
+            # the clairvoyant policy reads the whole workload first (sim.model.future)
+            requests = list(requests)
+            future = FutureUses(requests, cfg.layout, prompt_only=cfg.offload_prompt_only)
+        self.sched = Scheduler(cfg, hooks, future)
         self.gpu, self.cpu, self.conn = self.sched.gpu, self.sched.cpu, self.sched.conn
         self.summary = RunSummary()
         self.completed: list[Transfer] = []

@@ -203,7 +203,7 @@ RESOLVED_DOCS: dict[str, tuple[str, str, str]] = {
     "cpu_cache_bytes": ("int", "bytes", "the CPU cache: the capacity given, else chunks x slot bytes; "
                                         "0 without a CPU cache (long tables: null when only chunks "
                                         "were given)"),
-    "cpu_cache_policy": ("str", "-", "lru | arc"),
+    "cpu_cache_policy": ("str", "-", "lru | arc | belady"),
     "window_logic": ("str", "-", "old | new | latest"),
     "blocks_per_chunk": ("int", "blocks", "GPU blocks per offload chunk"),
     "h2d_bytes_per_s": ("float", "bytes/s", "host-to-device bandwidth (the hardware's, after overrides)"),

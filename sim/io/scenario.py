@@ -27,7 +27,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [hardware]            profile ("h200": scenarios/hardware/<name>.toml, or a path);
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
-    [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
+    [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
                           offload_prompt_only (true), offloading (true), fast_forward (true)
@@ -410,7 +410,8 @@ class CpuCacheSection(Strict):
 
     capacity: Size | None = Field(default=None, ge=0, description="host bytes for all workers")
     chunks: CpuChunks | None = Field(default=None, ge=0, description="capacity in chunk slots")
-    policy: Literal["lru", "arc"] = Field(default="lru", description="eviction policy")
+    policy: Literal["lru", "arc", "belady"] = Field(
+        default="lru", description="eviction policy (belady: kvsim's clairvoyant reference, not in vLLM)")
 
     @model_validator(mode="after")
     def _one(self) -> CpuCacheSection:
