@@ -28,6 +28,11 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
+    [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
+                          default; docs/tiers.md): kind ("fs" | kvsim's "nvme", "network",
+                          "object"), at most one of capacity (bytes) / chunks (neither:
+                          unbounded), read_bandwidth, write_bandwidth, latency_s (0),
+                          concurrency (1), policy ("lru")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
                           offload_prompt_only (true), offloading (true), fast_forward (true)
@@ -129,6 +134,7 @@ from pydantic import (
     model_validator,
 )
 
+from sim.engine.links import TierLinkModel
 from sim.engine.loop import CopyPathConfig, EngineConfig
 from sim.errors import InputError
 from sim.io.schema import (
@@ -178,6 +184,7 @@ from sim.model.costs import (
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
 from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutError
+from sim.model.tiers import TierSpec
 
 if TYPE_CHECKING:
     from sim.engine.loop import EngineConfig
@@ -419,6 +426,27 @@ class CpuCacheSection(Strict):
         return self
 
 
+class TierSection(Strict):
+    """One ``[[tiers]]`` entry: a secondary storage tier behind the CPU cache (docs/tiers.md)."""
+
+    kind: Literal["fs", "nvme", "network", "object"] = Field(
+        description="fs: vLLM's file-system tier; nvme, network, object: kvsim's own labels (same model)")
+    capacity: Size | None = Field(
+        default=None, gt=0, description="bytes it holds (neither this nor chunks: unbounded, as vLLM's)")
+    chunks: CpuChunks | None = Field(default=None, gt=0, description="capacity in chunks")
+    read_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of promotions (tier -> CPU)")
+    write_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of cascades (CPU -> tier)")
+    latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="fixed cost of one job (s)")
+    concurrency: int = Field(default=1, ge=1, le=4096, description="jobs in progress at once")
+    policy: Literal["lru", "arc", "belady"] = Field(
+        default="lru", description="eviction policy of a bounded tier (kvsim's own; vLLM's never evict)")
+
+    @model_validator(mode="after")
+    def _one(self) -> TierSection:
+        _exactly_one(self, ("capacity", "chunks"), at_most=True)
+        return self
+
+
 class SchedulerSection(Strict):
     """``[scheduler]``: vLLM scheduler and connector options."""
 
@@ -578,6 +606,8 @@ class RunScenario(Strict):
     model: ModelSection
     hardware: HardwareSection = HardwareSection()
     cpu_cache: CpuCacheSection = CpuCacheSection()
+    tiers: list[TierSection] = Field(default_factory=list, max_length=8,
+                                     description="secondary tiers behind the CPU cache, in lookup order")
     scheduler: SchedulerSection = SchedulerSection()
     workload: Workload = MultiTurnWorkload(kind="multiturn")
     costs: CostsSection = CostsSection()
@@ -600,6 +630,9 @@ class RunScenario(Strict):
             raise _ProblemError("neither capacity nor chunks given",
                                 "exactly one of capacity, chunks (or scheduler.offloading = false)",
                                 "cpu_cache")
+        if self.tiers and not self.scheduler.offloading:
+            raise _ProblemError("secondary tiers without offloading",
+                                "no [[tiers]], or scheduler.offloading = true", "tiers")
         return self
 
 
@@ -1149,7 +1182,25 @@ class RunSpec:
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
-            block_accounting=s.block_accounting)
+            block_accounting=s.block_accounting, **self._tier_config())
+
+    def _tier_config(self) -> dict[str, Any]:
+        """The engine's secondary tiers and their links (nothing when there is none)."""
+        sc = self.scenario
+        if not sc.tiers:
+            return {}
+        specs = []
+        links = []
+        for t in sc.tiers:
+            chunks = t.chunks if t.capacity is None else t.capacity // self.cpu_slot_bytes
+            specs.append(TierSpec(t.kind, chunks, EvictionPolicy(t.policy)))
+            if sc.costs.transfer == "zero":
+                links.append(TierLinkModel(ZERO_TRANSFER, ZERO_TRANSFER, t.concurrency))
+            else:
+                read = TransferModel(float(t.read_bandwidth), t.latency_s)
+                write = TransferModel(float(t.write_bandwidth), t.latency_s)
+                links.append(TierLinkModel(read, write, t.concurrency))
+        return {"tiers": tuple(specs), "tier_links": tuple(links), "tier_chunk_bytes": self.cpu_slot_bytes}
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
@@ -1223,6 +1274,8 @@ class RunSpec:
             hardware[key] = getattr(hw, key)
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
+        if sc.tiers:
+            out["tiers"] = [t.model_dump(exclude_none=True) for t in sc.tiers]
         out["scheduler"] = sc.scheduler.model_dump()
         wl = sc.workload
         if isinstance(wl, MooncakeWorkload):

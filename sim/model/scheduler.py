@@ -101,6 +101,7 @@ from sim.model.gpu_cache import Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.request import LiveRequest, Request, RequestStatus
+from sim.model.tiers import TieredCache, TierSpec
 from sim.model.windows import profile
 
 __all__ = [
@@ -158,6 +159,14 @@ class SchedulerConfig:
     #: the GPU block accounting: ``fast`` (:mod:`sim.model.gpu_fast`) or the per-block
     #: ``reference`` (:mod:`sim.model.gpu_cache`); the decisions are identical (tested)
     block_accounting: Literal["fast", "reference"] = "fast"
+    #: secondary tiers behind the CPU tier (:mod:`sim.model.tiers`); empty: none
+    tiers: tuple[TierSpec, ...] = ()
+
+    @property
+    def needs_future(self) -> bool:
+        """Some tier (the CPU's or a secondary one) evicts with ``belady``."""
+        return self.offloading and (self.eviction is EvictionPolicy.BELADY
+                                    or any(t.policy is EvictionPolicy.BELADY for t in self.tiers))
 
 
 #: block accounting -> GPU KV cache class (same interface, same decisions)
@@ -485,7 +494,7 @@ class Scheduler:
                  future: FutureUses | None = None) -> None:
         self.cfg = cfg
         #: consumed uses of the belady oracle (None for every other policy)
-        self.future = future if cfg.eviction is EvictionPolicy.BELADY else None
+        self.future = future if cfg.needs_future else None
         self.hooks = hooks or SchedulerHooks()
         layout = cfg.layout
         self.layout = layout
@@ -497,7 +506,11 @@ class Scheduler:
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
-            self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future)
+            if cfg.tiers:
+                self.cpu = TieredCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
+                                       tiers=cfg.tiers)
+            else:
+                self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only,

@@ -1,4 +1,5 @@
-"""The clairvoyant ``belady`` policy against LRU and ARC on the Mooncake trace.
+"""The clairvoyant ``belady`` policy against LRU and ARC on the Mooncake trace,
+and a small CPU tier with a free unbounded secondary tier against an unbounded CPU.
 
 Setting: the exact LRU table of ``../shared/traces/README.md`` (one
 full-attention group, 512-token chunks, no GPU prefix cache, zero compute and
@@ -20,11 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from sim.engine.links import TierLinkModel
 from sim.engine.loop import EngineConfig, simulate
 from sim.engine.metrics import Recorder
 from sim.io.workload import iter_mooncake
+from sim.model.costs import ZERO_TRANSFER
 from sim.model.cpu_cache import EvictionPolicy
 from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.tiers import TierSpec
 from tests.tools.test_mooncake_lru import CAPACITIES
 
 #: the README's infinite-cache reuse: block-weighted, and token-weighted
@@ -141,3 +145,29 @@ def test_belady_reaches_but_never_passes_the_engine_s_own_infinite_cache(traces_
     infinite = engine_hit_ratios(trace, 200_000, "lru")   # more slots than distinct chunks
     belady = engine_hit_ratios(trace, CAPACITIES[-1], "belady")
     assert belady[0] <= infinite[0] + 1e-12 and belady[1] <= infinite[1] + 1e-12
+
+
+def engine_tiered_hit_ratio(trace: Path, capacity: int) -> tuple[float, float]:
+    """As :func:`engine_hit_ratios` (LRU), with an unbounded, free secondary tier behind the CPU."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 512)], tokens_per_hash=512, blocks_per_chunk=1)
+    cfg = EngineConfig(layout=layout, gpu_blocks=20_000, prefix_caching=False, cpu_capacity_chunks=capacity,
+                       max_num_batched_tokens=8192, tiers=(TierSpec("nvme"),),
+                       tier_links=(TierLinkModel(ZERO_TRANSFER, ZERO_TRANSFER),), tier_chunk_bytes=1)
+    reqs = list(iter_mooncake(trace, 512))
+    blocks = sum(-(-r.prompt_tokens // 512) for r in reqs)
+    res = simulate(cfg, reqs, Recorder(_Discard()))
+    assert res.status == "ok" and res.summary.requests_finished == len(reqs)
+    s = res.summary
+    return s.cpu_hit_tokens / 512 / blocks, s.cpu_hit_tokens / s.prompt_tokens
+
+
+@pytest.mark.slow
+def test_a_small_cpu_tier_with_a_free_unbounded_tier_behind_it_hits_like_an_unbounded_cpu(
+        traces_dir: Path) -> None:
+    """The issue's check: a CPU tier of about 10% of the trace's distinct chunks (170,899
+    complete ones) plus an unbounded, zero-latency tier gives the unbounded CPU's hit
+    ratio within 0.5 percentage points."""
+    trace = traces_dir / "conversation_trace.jsonl"
+    tiered = engine_tiered_hit_ratio(trace, 17_090)
+    infinite = engine_hit_ratios(trace, 200_000, "lru")
+    assert abs(tiered[1] - infinite[1]) <= 0.005, (tiered, infinite)
