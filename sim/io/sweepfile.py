@@ -180,9 +180,14 @@ def cell_text(value: Any) -> str:
         if isinstance(value.get("path"), str):
             return Path(value["path"]).stem
         if isinstance(value.get("kind"), str):
-            return str(value["kind"])
+            size = value.get("capacity", value.get("chunks"))
+            return str(value["kind"]) + (f"-{size}" if isinstance(size, str | int) else "")
         return "table"
     if isinstance(value, list):
+        if not value:
+            return "none"
+        if all(isinstance(v, dict) for v in value):   # e.g. [[tiers]]
+            return "+".join(cell_text(v) for v in value)
         return "list"
     return str(value)
 
