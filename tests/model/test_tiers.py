@@ -5,12 +5,24 @@ only, tier eviction, and the counters named after vLLM's tiering metrics."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from sim.model.cpu_cache import CacheAssertion, ChunkState, EvictionPolicy, LookupResult, OffloadKey
 from sim.model.tiers import TieredCache, TierSpec
 
 HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 A, B, C, D = ((h, 0) for h in range(1, 5))
+#: promotions seen by the state machine (to check it exercises them)
+PROMOTIONS: list[int] = []
 
 
 def tiered(cpu: int, *tiers: TierSpec) -> TieredCache:
@@ -150,3 +162,129 @@ def test_touch_reaches_every_tier() -> None:
 def test_a_tiered_cache_needs_a_tier() -> None:
     with pytest.raises(ValueError, match="at least one"):
         TieredCache(4, tiers=())
+
+
+# ------------------------------------------------------------------ random sequences
+
+KEYS = [(h, 0) for h in range(8)]
+
+
+class TieredMachine(RuleBasedStateMachine):
+    """Random stores, lookups, loads, touches and job completions; after every step the
+    tiers' invariants hold, a tier never holds more than its capacity, a tier only ever
+    holds chunks that were stored to the CPU tier, and a GPU load of a chunk that is not
+    readable in the CPU tier is refused (it is never read from a secondary tier)."""
+
+    @initialize(cpu=st.integers(1, 4), cap=st.one_of(st.none(), st.integers(1, 5)),
+                two=st.booleans(), policy=st.sampled_from([EvictionPolicy.LRU, EvictionPolicy.ARC]))
+    def start(self, cpu: int, cap: int | None, two: bool, policy: EvictionPolicy) -> None:
+        tiers = [TierSpec("nvme", cap, policy)] + ([TierSpec("object")] if two else [])
+        self.cache = TieredCache(cpu, tiers=tiers)
+        self.cap = cap
+        self.stored_ever: set[OffloadKey] = set()
+        self.gpu_stores: list[tuple[OffloadKey, ...]] = []
+        self.loads: list[list[OffloadKey]] = []
+        self.jobs: list[int] = []
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3))
+    def gpu_store(self, keys: list[OffloadKey]) -> None:
+        res = self.cache.prepare_store(keys)
+        if res is not None and res.keys:
+            self.gpu_stores.append(res.keys)
+
+    @precondition(lambda self: bool(self.gpu_stores))
+    @rule(i=st.integers(0, 9), ok=st.sampled_from([True, True, True, False]))
+    def gpu_store_done(self, i: int, ok: bool) -> None:
+        keys = self.gpu_stores.pop(i % len(self.gpu_stores))
+        self.cache.complete_store(keys, success=ok)
+        if ok:
+            self.stored_ever.update(keys)
+
+    @rule(key=st.sampled_from(KEYS))
+    def lookup(self, key: OffloadKey) -> None:
+        was = self.cache.state(key)
+        r = self.cache.lookup(key)
+        if r is HIT_PENDING and was is ChunkState.MISSING:
+            assert self.cache.state(key) is ChunkState.PENDING     # a promotion reserved a slot
+            assert any(t.state(key) is ChunkState.LOADING for t in self.cache.tiers)
+            PROMOTIONS.append(1)
+
+    @rule()
+    def end_of_step(self) -> None:
+        self.jobs.extend(j.job_id for j in self.cache.take_jobs())
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=2))
+    def store_and_settle(self, keys: list[OffloadKey]) -> None:
+        """A whole store: GPU -> CPU, then cascaded to the tiers (a short cut to promotions)."""
+        res = self.cache.prepare_store(keys)
+        if res is not None and res.keys:
+            self.cache.complete_store(res.keys)
+            self.stored_ever.update(res.keys)
+        self.settle()
+
+    @rule()
+    def settle(self) -> None:
+        """End the step and let every tier job finish (cascades land, promotions arrive)."""
+        self.end_of_step()
+        while self.jobs:
+            self.cache.complete_job(self.jobs.pop(0))
+
+    @precondition(lambda self: bool(self.jobs))
+    @rule(i=st.integers(0, 9))
+    def job_done(self, i: int) -> None:
+        self.cache.complete_job(self.jobs.pop(i % len(self.jobs)))
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3))
+    def gpu_load(self, keys: list[OffloadKey]) -> None:
+        readable = all(self.cache.state(k) in (ChunkState.READY, ChunkState.LOADING) for k in keys)
+        if readable:
+            self.cache.prepare_load(keys)
+            self.loads.append(keys)
+        else:
+            with pytest.raises(CacheAssertion):
+                self.cache.prepare_load(keys)
+
+    @precondition(lambda self: bool(self.loads))
+    @rule(i=st.integers(0, 9))
+    def gpu_load_done(self, i: int) -> None:
+        self.cache.complete_load(self.loads.pop(i % len(self.loads)))
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
+    def touch(self, keys: list[OffloadKey]) -> None:
+        self.cache.touch(keys)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.cache.check_invariants()
+        for i, tier in enumerate(self.cache.tiers):
+            held = set(tier.keys())
+            assert held <= self.stored_ever
+            if i == 0 and self.cap is not None:
+                assert len(held) <= self.cap
+
+
+TestTieredMachine = TieredMachine.TestCase
+TestTieredMachine.settings = settings(max_examples=150, stateful_step_count=40, derandomize=True,
+                                      deadline=None)
+
+
+def test_the_machine_exercises_promotions() -> None:
+    """The random sequences do reach promotions (a chunk evicted from the CPU tier
+    and found in a secondary one), so the machine above tests them."""
+    before = len(PROMOTIONS)
+    run_state_machine_as_test(TieredMachine, settings=settings(max_examples=40, stateful_step_count=40,
+                                                               derandomize=True, deadline=None))
+    assert len(PROMOTIONS) - before > 10
+
+
+def test_after_every_job_completes_nothing_stays_pinned() -> None:
+    cache = tiered(2, TierSpec("nvme"), TierSpec("network", capacity_chunks=1))
+    store(cache, A, B)
+    finish_all(cache)
+    store(cache, C, D)
+    finish_all(cache)
+    assert cache.lookup(A) is HIT_PENDING
+    finish_all(cache)
+    assert cache.num_loading == cache.num_pending == 0 and cache.num_tier_jobs == 0
+    assert all(t.num_loading == t.num_pending == 0 for t in cache.tiers)
+    cache.check_invariants()
