@@ -19,7 +19,15 @@ What it models
         * *engine*: the step loop below;
         * *links* (:mod:`sim.engine.links`): one per direction (``h2d``
           loads, ``d2h`` stores), each a serial in-order queue; a job takes
-          ``latency + bytes / bandwidth``.
+          ``latency + bytes / bandwidth``;
+        * with secondary tiers (:mod:`sim.model.tiers`), one *tier link* per
+          tier: the promotions a step's lookups started are submitted right
+          after ``schedule`` (vLLM flushes them at the end of its schedule
+          call), the cascades of the stores completed in a step at the step's
+          end; a completed tier job is applied at the start of the next step
+          (before ``schedule``, as vLLM polls its tiers before a lookup), so a
+          request deferred for a promotion is admitted in the first step
+          after the promotion ended.
 
     One engine step (vLLM ``schedule`` -> workers -> ``update_from_output``)
         1. ``Scheduler.schedule``: the step's batch, admissions, preemptions,
@@ -65,8 +73,9 @@ Simplifications
 Invariants (checked at the end of a completed run; :class:`InvariantViolation`)
     * the scheduler's (:meth:`~sim.model.scheduler.Scheduler.invariant_problems`):
       every request finished or was rejected, no GPU block referenced, no CPU
-      chunk pending or loading, the connector empty;
-    * every transfer completed.
+      chunk pending or loading (so no promotion or cascade holds one), the
+      connector empty, the tiers' own invariants;
+    * every transfer and every tier job completed.
 """
 
 from __future__ import annotations

@@ -633,6 +633,9 @@ class RunScenario(Strict):
         if self.tiers and not self.scheduler.offloading:
             raise _ProblemError("secondary tiers without offloading",
                                 "no [[tiers]], or scheduler.offloading = true", "tiers")
+        if self.tiers and self.copy_path.enabled:
+            raise _ProblemError("the torch copy path does not model secondary tiers",
+                                "no [[tiers]], or copy_path.enabled = false", "tiers")
         return self
 
 

@@ -58,7 +58,9 @@ What it simplifies or adds relative to vLLM 0.33
       vLLM does until the request is allocated.
     * No back-pressure detector (vLLM drops cascades to a slow tier), no
       request-level tiers, no job failures, no ``reset_cache`` hold, no
-      peer-to-peer serving.
+      peer-to-peer serving. A promotion the CPU tier's admission filter
+      turns away is a MISS (vLLM would queue an empty job).
+    * The torch copy path does not move tier data (a run refuses both).
 
 Invariants (:meth:`TieredCache.check_invariants`)
     * the CPU tier's and every secondary tier's own invariants;
@@ -72,7 +74,7 @@ Invariants (:meth:`TieredCache.check_invariants`)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -261,8 +263,11 @@ class TieredCache(CpuChunkCache):
 
     def _promote(self, i: int, key: OffloadKey) -> bool:
         """Reserve a CPU slot for ``key`` and pin it in tier ``i``; False if no room."""
-        if super().prepare_store([key]) is None:
+        res = super().prepare_store([key])
+        if res is None:
             self.promotion_allocation_failures += 1
+            return False
+        if not res.keys:        # the CPU tier's admission filter turned it away
             return False
         self.tiers[i].prepare_load([key])
         self._pending.keys.setdefault(i, []).append(key)
@@ -271,7 +276,7 @@ class TieredCache(CpuChunkCache):
 
     # -- stores and loads -------------------------------------------------------------
 
-    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:  # type: ignore[override]
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """Finish a GPU->CPU store; on success, cascade its chunks to every tier."""
         keys = tuple(keys)
         super().complete_store(keys, success)

@@ -170,3 +170,10 @@ def test_tiers_without_offloading_are_refused(tmp_path: Path) -> None:
     f.write_text(text)
     with pytest.raises(InputError, match="tiers"):
         load_run(f)
+
+
+def test_tiers_with_the_copy_path_are_refused(tmp_path: Path) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text(SCENARIO.format(tiers=NVME) + "[copy_path]\nenabled = true\n")
+    with pytest.raises(InputError, match="copy path"):
+        load_run(f)
