@@ -29,10 +29,12 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
-                          default; docs/tiers.md): kind ("fs" | kvsim's "nvme", "network",
-                          "object"), at most one of capacity (bytes) / chunks (neither:
-                          unbounded), read_bandwidth, write_bandwidth, latency_s (0),
-                          concurrency (1), policy ("lru")
+                          default; docs/tiers.md): device (a storage/1 profile:
+                          scenarios/hardware/storage/<name>.toml, or a path) giving the
+                          figures below, each overridable; kind ("fs" | kvsim's "nvme",
+                          "network", "object"), at most one of capacity (bytes) / chunks
+                          (neither: unbounded), read_bandwidth, write_bandwidth,
+                          latency_s (0), concurrency (1), policy ("lru")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
                           offload_prompt_only (true), offloading (true), fast_forward (true)
@@ -198,12 +200,13 @@ __all__ = [
     "RunScenario",
     "RunSpec",
     "load_run",
+    "load_storage_file",
     "parse_bandwidth",
     "parse_size",
     "scenarios_dir",
 ]
 
-SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
+SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1", "storage/1")
 #: the summary key (a list of one-line strings) of :attr:`RunSpec.warnings`
 HARDWARE_WARNINGS_KEY = "hardware_warnings"
 
@@ -426,24 +429,57 @@ class CpuCacheSection(Strict):
         return self
 
 
-class TierSection(Strict):
-    """One ``[[tiers]]`` entry: a secondary storage tier behind the CPU cache (docs/tiers.md)."""
+TierKind = Literal["fs", "nvme", "network", "object"]
 
-    kind: Literal["fs", "nvme", "network", "object"] = Field(
+
+class StorageFile(Strict):
+    """A ``storage/1`` file: one storage device a secondary tier can stand for (docs/costs.md)."""
+
+    schema_: Literal["storage/1"] = Field(alias="schema", description="format and version")
+    name: str = Field(description="profile name")
+    description: str | None = Field(default=None, description="one line: the device and its source")
+    kind: TierKind = Field(description="the tier kind it makes")
+    read_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of promotions (device -> CPU)")
+    write_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of cascades (CPU -> device)")
+    latency_s: float = Field(ge=0, allow_inf_nan=False, description="fixed cost of one job (s)")
+    concurrency: int = Field(ge=1, le=4096, description="jobs in progress at once")
+
+
+class TierSection(Strict):
+    """One ``[[tiers]]`` entry: a secondary storage tier behind the CPU cache (docs/tiers.md).
+
+    ``device`` names a ``storage/1`` profile (scenarios/hardware/storage/<name>.toml, or a
+    path) that gives ``kind``, the bandwidths, ``latency_s`` and ``concurrency``; the
+    entry's own keys override it. Without a device, ``kind`` and both bandwidths are required.
+    """
+
+    device: str | None = Field(default=None,
+                               description="a storage/1 profile name or path giving the figures")
+    kind: TierKind | None = Field(
+        default=None,
         description="fs: vLLM's file-system tier; nvme, network, object: kvsim's own labels (same model)")
     capacity: Size | None = Field(
         default=None, gt=0, description="bytes it holds (neither this nor chunks: unbounded, as vLLM's)")
     chunks: CpuChunks | None = Field(default=None, gt=0, description="capacity in chunks")
-    read_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of promotions (tier -> CPU)")
-    write_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of cascades (CPU -> tier)")
-    latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="fixed cost of one job (s)")
-    concurrency: int = Field(default=1, ge=1, le=4096, description="jobs in progress at once")
+    read_bandwidth: Bandwidth | None = Field(default=None, gt=0,
+                                             description="bytes/s of promotions (tier -> CPU)")
+    write_bandwidth: Bandwidth | None = Field(default=None, gt=0,
+                                              description="bytes/s of cascades (CPU -> tier)")
+    latency_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                    description="fixed cost of one job (s; default 0)")
+    concurrency: int | None = Field(default=None, ge=1, le=4096,
+                                    description="jobs in progress at once (default 1)")
     policy: Literal["lru", "arc", "belady"] = Field(
         default="lru", description="eviction policy of a bounded tier (kvsim's own; vLLM's never evict)")
 
     @model_validator(mode="after")
     def _one(self) -> TierSection:
         _exactly_one(self, ("capacity", "chunks"), at_most=True)
+        if self.device is None:
+            for key in ("kind", "read_bandwidth", "write_bandwidth"):
+                if getattr(self, key) is None:
+                    raise _ProblemError("required key missing (no device gives it)",
+                                        "a value, or device = a storage/1 profile", key)
         return self
 
 
@@ -1019,6 +1055,37 @@ def load_hardware_file(path: Path) -> HardwareFile:
     return hw
 
 
+def load_storage_file(path: Path) -> StorageFile:
+    """Read and validate a ``storage/1`` file."""
+    source = str(path)
+    data = read_toml(path)
+    check_schema(data, source, "storage/1")
+    return _validate(StorageFile, data, source)
+
+
+def _resolve_tiers(sc: RunScenario, base: Path, source: str) -> RunScenario:
+    """Fill every ``[[tiers]]`` entry from its device (its own keys win) and the defaults."""
+    if not sc.tiers:
+        return sc
+    folder = scenarios_dir() / "hardware" / "storage"
+    tiers = []
+    for i, t in enumerate(sc.tiers):
+        fill: dict[str, Any] = {"latency_s": 0.0, "concurrency": 1}
+        if t.device is not None:
+            d = t.device
+            path = (base / d).resolve() if "/" in d or d.endswith(".toml") else folder / f"{d}.toml"
+            if not path.is_file():
+                names = ", ".join(sorted(p.stem for p in folder.glob("*.toml"))) or "(none shipped)"
+                raise InputError(source, f"tiers.{i}.device", f"{d!r}: no such storage profile",
+                                 f"{names}, or a path to a storage/1 file")
+            dev = load_storage_file(path)
+            fill = {k: getattr(dev, k) for k in ("kind", "read_bandwidth", "write_bandwidth", "latency_s",
+                                                  "concurrency")}
+        given = {k: v for k, v in fill.items() if getattr(t, k) is None}
+        tiers.append(t.model_copy(update=given))
+    return sc.model_copy(update={"tiers": tiers})
+
+
 def _check_cost_profile(name: str, source: str, key: str) -> None:
     if name not in MODEL_COST_PROFILES:
         raise InputError(source, key, f"{name!r} is not a known model cost profile",
@@ -1194,7 +1261,9 @@ class RunSpec:
             return {}
         specs = []
         links = []
-        for t in sc.tiers:
+        for t in sc.tiers:     # filled by _resolve_tiers
+            assert t.kind is not None and t.read_bandwidth is not None and t.write_bandwidth is not None
+            assert t.latency_s is not None and t.concurrency is not None
             chunks = t.chunks if t.capacity is None else t.capacity // self.cpu_slot_bytes
             specs.append(TierSpec(t.kind, chunks, EvictionPolicy(t.policy)))
             if sc.costs.transfer == "zero":
@@ -1531,6 +1600,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
         raise InputError(source, "copy_path.enabled", "the copy path needs torch, which is not installed",
                          f"{TORCH_ALLOWED}, or copy_path.enabled = false")
     base = path.resolve().parent
+    sc = _resolve_tiers(sc, base, source)
     model = _resolve_model(sc.model, base, source)
     hw = _resolve_hardware(sc.hardware, base, source)
     s = sc.scheduler

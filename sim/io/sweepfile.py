@@ -179,9 +179,12 @@ def cell_text(value: Any) -> str:
                 return Path(value[k]).stem
         if isinstance(value.get("path"), str):
             return Path(value["path"]).stem
+        size = value.get("capacity", value.get("chunks"))
+        size_text = f"-{size}" if isinstance(size, str | int) else ""
+        if isinstance(value.get("device"), str):     # a [[tiers]] entry
+            return Path(value["device"]).stem + size_text
         if isinstance(value.get("kind"), str):
-            size = value.get("capacity", value.get("chunks"))
-            return str(value["kind"]) + (f"-{size}" if isinstance(size, str | int) else "")
+            return str(value["kind"]) + size_text
         return "table"
     if isinstance(value, list):
         if not value:

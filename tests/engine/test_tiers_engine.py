@@ -177,3 +177,39 @@ def test_tiers_with_the_copy_path_are_refused(tmp_path: Path) -> None:
     f.write_text(SCENARIO.format(tiers=NVME) + "[copy_path]\nenabled = true\n")
     with pytest.raises(InputError, match="copy path"):
         load_run(f)
+
+
+def test_a_tier_takes_its_figures_from_a_storage_profile_and_its_own_keys_win(tmp_path: Path) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text(SCENARIO.format(tiers='[[tiers]]\ndevice = "pm1743"\ncapacity = "1TiB"\nconcurrency = 2\n'))
+    spec = load_run(f)
+    [t] = spec.scenario.tiers
+    assert (t.kind, t.read_bandwidth, t.write_bandwidth, t.latency_s, t.concurrency) == (
+        "nvme", 13_000_000_000, 6_600_000_000, 0.0001, 2)
+    link = spec.engine_config().tier_links[0]
+    assert link.read.bandwidth_bytes_per_s == 13e9 and link.write.latency_s == 0.0001
+    assert link.concurrency == 2
+    # the resolved scenario loads back to the same tiers
+    again = tmp_path / "again.toml"
+    again.write_text(spec.resolved_toml())
+    assert load_run(again).engine_config().tiers == spec.engine_config().tiers
+    assert load_run(again).engine_config().tier_links == spec.engine_config().tier_links
+
+
+def test_a_storage_profile_by_path(tmp_path: Path) -> None:
+    (tmp_path / "disk.toml").write_text('schema = "storage/1"\nname = "disk"\nkind = "fs"\n'
+                                        'read_bandwidth = "1GB"\nwrite_bandwidth = "1GB"\n'
+                                        'latency_s = 0.01\nconcurrency = 4\n')
+    f = tmp_path / "t.toml"
+    f.write_text(SCENARIO.format(tiers='[[tiers]]\ndevice = "disk.toml"\n'))
+    [t] = load_run(f).scenario.tiers
+    assert (t.kind, t.latency_s, t.capacity, t.chunks) == ("fs", 0.01, None, None)
+
+
+def test_an_unknown_storage_profile_is_one_line_listing_the_shipped_ones(tmp_path: Path) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text(SCENARIO.format(tiers='[[tiers]]\ndevice = "floppy"\n'))
+    with pytest.raises(InputError) as info:
+        load_run(f)
+    line = str(info.value)
+    assert "tiers.0.device" in line and "floppy" in line and "pm1743" in line and "\n" not in line
