@@ -27,14 +27,28 @@ What it models
     fingerprints of computed tokens, and the verification of what a request
     reads after a load (each bad block reported once).
 
+    :class:`TierLink` is the link of one secondary storage tier
+    (:mod:`sim.model.tiers`): promotions read the tier, cascades write it.
+    Up to ``concurrency`` jobs are in progress at once; each first waits the
+    tier's per-job latency (overlapping with the others'), then moves its
+    bytes over the tier's one wire, which reads and writes share: jobs take
+    the wire one at a time in the order their latency ended, at the read or
+    the write bandwidth.
+
 Simplifications
     * The duplex slowdown applies to a job's whole solo time (its latency
       and piece overheads too), and only the busy/idle state of the other
       direction matters, not how much it moves; no per-chunk pipelining
       inside a job.
+    * A tier's wire is FIFO at full bandwidth (no sharing between two jobs'
+      bytes); tier traffic does not use the PCIe links (a promotion lands in
+      CPU memory, a cascade reads it).
 
 Invariants
-    * at most one job of a link is in progress; jobs start in submission order.
+    * at most one job of a :class:`Link` is in progress; jobs start in
+      submission order;
+    * a :class:`TierLink` has at most ``concurrency`` jobs in progress and one
+      on its wire.
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ from sim.model.gpu_cache import GpuKVCache
 from sim.model.layout import Layout
 from sim.model.request import LiveRequest
 
-__all__ = ["LATE", "NORMAL", "URGENT", "At", "CopyHooks", "Link", "Transfer"]
+__all__ = ["LATE", "NORMAL", "URGENT", "At", "CopyHooks", "Link", "TierLink", "TierLinkModel", "Transfer"]
 
 URGENT = 0  #: transfer completions
 NORMAL = 1  #: arrivals (SimPy's default priority)
@@ -197,6 +211,89 @@ class Link:
         o = self.other
         if o is not None and o._changed is not None and not o._changed.triggered:
             o._changed.succeed()
+
+
+@dataclass(frozen=True)
+class TierLinkModel:
+    """Timing of one secondary tier's link.
+
+    Attributes:
+        read: promotions (tier -> CPU): read bandwidth and per-job latency.
+        write: cascades (CPU -> tier): write bandwidth and per-job latency.
+        concurrency: jobs in progress at once (their latencies overlap).
+    """
+
+    read: TransferModel
+    write: TransferModel
+    concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+
+class TierLink:
+    """One secondary tier's link (see the module docstring).
+
+    Args:
+        env: the simulation.
+        name: the tier's label (``1:nvme``).
+        model: its timing.
+        on_done: called when a job completes (before its ``done`` event fires).
+    """
+
+    def __init__(self, env: simpy.Environment, name: str, model: TierLinkModel,
+                 on_done: Callable[[Transfer], None]) -> None:
+        self.env = env
+        self.name = name
+        self.model = model
+        self.on_done = on_done
+        self._slots = simpy.Resource(env, capacity=model.concurrency)
+        self._wire = simpy.Resource(env, capacity=1)
+        #: job id -> the earliest time it may complete (its latency's end, then its end)
+        self._next: dict[int, float] = {}
+        self.busy_s = 0.0
+        self.read_s = 0.0
+        self.write_s = 0.0
+
+    def submit(self, x: Transfer, is_read: bool) -> None:
+        x.submit_s = self.env.now
+        x.done = self.env.event()
+        self._next[x.job_id] = math.inf
+        self.env.process(self._job(x, is_read))
+
+    @property
+    def next_completion_s(self) -> float:
+        """No job of this link completes before this time (a lower bound)."""
+        return min(self._next.values(), default=math.inf)
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def _job(self, x: Transfer, is_read: bool) -> Proc:
+        env = self.env
+        m = self.model.read if is_read else self.model.write
+        with self._slots.request() as slot:
+            yield slot
+            x.start_s = env.now
+            self._next[x.job_id] = env.now + m.latency_s
+            if m.latency_s:
+                yield At(env, m.latency_s, URGENT)
+            with self._wire.request() as wire:
+                yield wire
+                dur = x.nbytes / m.bandwidth_bytes_per_s
+                x.end_s = env.now + dur
+                self._next[x.job_id] = x.end_s
+                yield At(env, dur, URGENT)
+                self.busy_s += dur
+        if is_read:
+            self.read_s += env.now - x.start_s
+        else:
+            self.write_s += env.now - x.start_s
+        del self._next[x.job_id]
+        self.on_done(x)
+        assert x.done is not None
+        x.done.succeed()
 
 
 class CopyHooks:

@@ -21,6 +21,14 @@ What it models
           loads, ``d2h`` stores), each a serial in-order queue; a job takes
           ``latency + pieces x piece overhead + bytes / bandwidth``, slowed
           by the duplex factor while the other direction is busy.
+        * with secondary tiers (:mod:`sim.model.tiers`), one *tier link* per
+          tier: the promotions a step's lookups started are submitted right
+          after ``schedule`` (vLLM flushes them at the end of its schedule
+          call), the cascades of the stores completed in a step at the step's
+          end; a completed tier job is applied at the start of the next step
+          (before ``schedule``, as vLLM polls its tiers before a lookup), so a
+          request deferred for a promotion is admitted in the first step
+          after the promotion ended.
 
     One engine step (vLLM ``schedule`` -> workers -> ``update_from_output``)
         1. ``Scheduler.schedule``: the step's batch, admissions, preemptions,
@@ -57,18 +65,23 @@ What it models
 
 Simplifications
     * See :mod:`sim.model.scheduler` for the policy's.
+    * With the ``belady`` eviction policy the whole workload is read before
+      the run starts (:mod:`sim.model.future` needs its future uses), so
+      memory grows with the trace for that policy only.
     * An idle engine does not spin: it sleeps until an arrival or a transfer
       completion (vLLM polls with empty steps; no state changes in between).
 
 Invariants (checked at the end of a completed run; :class:`InvariantViolation`)
     * the scheduler's (:meth:`~sim.model.scheduler.Scheduler.invariant_problems`):
       every request finished or was rejected, no GPU block referenced, no CPU
-      chunk pending or loading, the connector empty;
-    * every transfer completed.
+      chunk pending or loading (so no promotion or cascade holds one), the
+      connector empty, the tiers' own invariants;
+    * every transfer and every tier job completed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -76,10 +89,11 @@ from typing import Any, Literal
 
 import simpy
 
-from sim.engine.links import LATE, At, CopyHooks, Link, Proc, Transfer
+from sim.engine.links import LATE, At, CopyHooks, Link, Proc, TierLink, TierLinkModel, Transfer
 from sim.engine.metrics import EventRow, OccupancyRow, Recorder, RequestRow, RunSummary, StepRow, TransferRow
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel
+from sim.model.future import FutureUses
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
     InvariantViolation,
@@ -91,6 +105,7 @@ from sim.model.scheduler import (
     SchedulerStats,
     TransferJob,
 )
+from sim.model.tiers import PRIMARY_LABEL, TieredCache, TierJob
 
 __all__ = ["CopyPathConfig", "Engine", "EngineConfig", "InvariantViolation", "SimulationResult",
            "simulate"]
@@ -128,6 +143,10 @@ class EngineConfig(SchedulerConfig):
     copy_path: CopyPathConfig | None = None
     #: who decides: kvsim's model, or the installed vLLM (:mod:`sim.engine.vllm_engine`)
     decisions: Literal["model", "vllm"] = "model"
+    #: one link per secondary tier (``tiers``), same order
+    tier_links: tuple[TierLinkModel, ...] = ()
+    #: bytes a tier job moves per chunk: the CPU slot (vLLM: the primary tier's row)
+    tier_chunk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:
@@ -136,6 +155,8 @@ class EngineConfig(SchedulerConfig):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.occupancy_interval_s <= 0:
             raise ValueError("occupancy_interval_s must be > 0")
+        if len(self.tier_links) != len(self.tiers):
+            raise ValueError(f"{len(self.tiers)} tiers but {len(self.tier_links)} tier links")
 
 
 
@@ -169,7 +190,12 @@ class Engine:
         self.env = simpy.Environment()
         self.layout = cfg.layout
         hooks = SchedulerHooks(event=self._model_event, release=self._release)
-        self.sched = Scheduler(cfg, hooks)
+        future: FutureUses | None = None
+        if cfg.needs_future:
+            # the clairvoyant policy reads the whole workload first (sim.model.future)
+            requests = list(requests)
+            future = FutureUses(requests, cfg.layout, prompt_only=cfg.offload_prompt_only)
+        self.sched = Scheduler(cfg, hooks, future)
         self.gpu, self.cpu, self.conn = self.sched.gpu, self.sched.cpu, self.sched.conn
         self.summary = RunSummary()
         self.completed: list[Transfer] = []
@@ -191,6 +217,16 @@ class Engine:
         self.h2d.other, self.d2h.other = self.d2h, self.h2d
         self.xfers: dict[int, Transfer] = {}
         self.deferred_stores: list[Transfer] = []
+        #: the CPU manager with its secondary tiers, their links and jobs (None / empty: no tier)
+        self.tiered: TieredCache | None = self.cpu if isinstance(self.cpu, TieredCache) else None
+        self.tier_links: list[TierLink] = []
+        if self.tiered is not None:
+            self.tier_links = [TierLink(self.env, c.label, m, self._tier_done)
+                               for c, m in zip(self.tiered.counters, cfg.tier_links, strict=True)]
+        self.tier_xfers: dict[int, tuple[Transfer, TierJob]] = {}
+        self.tier_completed: list[Transfer] = []
+        #: per tier, (time, chunks held) at every occupancy sample
+        self.tier_occupancy: list[list[tuple[float, int]]] = [[] for _ in self.tier_links]
         self._done: dict[str, simpy.Event] = {}
         self.step_no = 0
         self.next_tick = 0.0
@@ -261,7 +297,8 @@ class Engine:
                 break
             if busy:
                 continue
-            if self.arrivals_done and not self.sched.requests and not self.xfers and not self.deferred_stores:
+            if (self.arrivals_done and not self.sched.requests and not self.xfers
+                    and not self.deferred_stores and not self.tier_xfers):
                 break
             yield from self._wait_idle()
         self._sample(force=True)
@@ -297,11 +334,14 @@ class Engine:
     def _step(self) -> Generator[simpy.Event, Any, bool]:
         """One engine step; returns whether it did anything."""
         env, sched = self.env, self.sched
+        tier_done = self._apply_tier_done() if self.tiered is not None else 0
         if not self.deferred_stores and not self.completed and sched.can_fast_forward():
             k = yield from self._fast_forward()
             if k:
                 return True
         plan = sched.schedule(env.now)
+        if self.tiered is not None:
+            self._start_tier_jobs()     # this step's promotions (vLLM: at the end of schedule)
         if plan.stopped:
             self.stop_reason = "stopped_on_crash"
             return False
@@ -319,7 +359,7 @@ class Engine:
         nsteps = 1 if plan.scheduled else 0
         self.summary.steps += nsteps
         self.summary.peak_waiting = max(self.summary.peak_waiting, sched.num_waiting)
-        did = plan.busy or bool(self.deferred_stores) or out.polled > 0
+        did = plan.busy or bool(self.deferred_stores) or out.polled > 0 or tier_done > 0
         if did:
             self.step_no += 1
             self.summary.step_rows += 1
@@ -355,7 +395,7 @@ class Engine:
         """Run ``k >= 2`` pure decode steps at once; returns k (0: not possible)."""
         env, cfg, sched = self.env, self.cfg, self.sched
         horizon = min(self.next_arrival_s, self.h2d.next_completion_s, self.d2h.next_completion_s,
-                      max(self.next_tick, env.now))
+                      max(self.next_tick, env.now), *(t.next_completion_s for t in self.tier_links))
         if cfg.max_sim_time_s is not None:
             horizon = min(horizon, cfg.max_sim_time_s)
         ff = sched.plan_fast_forward(env.now, horizon)
@@ -377,6 +417,8 @@ class Engine:
         return k
 
     def _end_step(self) -> None:
+        if self.tiered is not None:
+            self._start_tier_jobs()     # cascades of the stores completed this step
         self._sample()
         if self.cpu is not None:
             self.cpu.take_events()    # not recorded: drained so that memory stays bounded
@@ -412,6 +454,76 @@ class Engine:
             x.plan = None
         return plans
 
+    # -- secondary tiers ------------------------------------------------------------------
+
+    def _start_tier_jobs(self) -> None:
+        """Submit the tier jobs the model created (cascades, then promotions)."""
+        assert self.tiered is not None
+        bpc = self.layout.blocks_per_chunk
+        for job in self.tiered.take_jobs():
+            link = self.tier_links[job.tier]
+            what = "read" if job.is_promotion else "write"
+            n = len(job.keys)
+            x = Transfer(job.job_id, "", f"{link.name}:{what}", n, n * bpc, n * self.cfg.tier_chunk_bytes)
+            self.tier_xfers[job.job_id] = (x, job)
+            link.submit(x, job.is_promotion)
+
+    def _tier_done(self, x: Transfer) -> None:
+        self.tier_completed.append(x)
+        self.kick()
+
+    def _apply_tier_done(self) -> int:
+        """Apply the tier jobs completed by now, in completion order (their rows too)."""
+        if not self.tier_completed:
+            return 0
+        assert self.tiered is not None
+        done, self.tier_completed = self.tier_completed, []
+        for x in done:
+            _, job = self.tier_xfers.pop(x.job_id)
+            self.tiered.complete_job(job.job_id)
+            self.rec.add(TransferRow(x.job_id, x.req_id, x.direction, x.chunks, x.blocks, x.nbytes,
+                                     x.submit_s, x.start_s, x.end_s, x.flushed))
+        return len(done)
+
+    def _tier_sample(self, now: float) -> None:
+        """Per-tier occupancy (chunks held), for the summary's time-weighted figures."""
+        assert self.tiered is not None
+        for i, occ in enumerate(self.tier_occupancy):
+            ready, pending, loading, _ = self.tiered.tier_state(i)
+            occ.append((now, ready + pending + loading))
+
+    def _tier_figures(self) -> dict[str, Any]:
+        """The summary's ``tiers`` section (vLLM's tiering metric names, per tier label)."""
+        t = self.tiered
+        assert t is not None
+        size = self.cfg.tier_chunk_bytes
+        secondary: list[dict[str, Any]] = []
+        out: dict[str, Any] = {
+            "primary": {"label": PRIMARY_LABEL, "chunk_queries": t.primary_queries,
+                        "chunk_hits": t.primary_hits},
+            "promotion_allocation_failures": t.promotion_allocation_failures,
+            "secondary": secondary,
+        }
+        for i, (c, spec, link) in enumerate(zip(t.counters, t.specs, self.tier_links, strict=True)):
+            occ = self.tier_occupancy[i]
+            area = sum(n0 * (t1 - t0) for (t0, n0), (t1, _) in itertools.pairwise(occ))
+            span = occ[-1][0] - occ[0][0] if occ else 0.0
+            secondary.append({
+                "label": c.label, "kind": spec.kind, "capacity_chunks": spec.capacity_chunks,
+                "policy": str(spec.policy),
+                "chunk_queries": c.chunk_queries, "chunk_hits": c.chunk_hits,
+                "promotion_jobs": c.promotion_jobs, "cascade_jobs": c.cascade_jobs,
+                "read_bytes": c.read_chunks * size, "read_time": link.read_s,
+                "write_bytes": c.write_chunks * size, "write_time": link.write_s,
+                "promoted_chunks_loaded": c.promoted_chunks_loaded,
+                "evictions": c.evictions, "store_rejections": c.store_rejections,
+                "occupancy_chunks": {"mean": area / span if span > 0 else (occ[-1][1] if occ else 0),
+                                     "peak": max((n for _, n in occ), default=0),
+                                     "end": occ[-1][1] if occ else 0},
+                "utilisation": link.busy_s / self.end_s if self.end_s > 0 else None,
+            })
+        return out
+
     # -- sampling and rows --------------------------------------------------------------
 
     def _model_event(self, ev: ModelEvent) -> None:
@@ -435,6 +547,8 @@ class Engine:
         wfk = sched.num_waiting_for_kv
         self.summary.queue_t.append(now)
         self.summary.queue_n.append(sched.num_waiting)
+        if self.tiered is not None:
+            self._tier_sample(now)
         self.rec.add(OccupancyRow(now, present, pending, loading, free, gpu.pool.num_used,
                                   gpu.pool.num_cached, len(sched.running), sched.num_waiting - wfk, wfk,
                                   len(self.h2d), len(self.d2h)))
@@ -484,6 +598,8 @@ class Engine:
         s.d2h_busy_s = self.d2h.busy_s
         if self.conn is not None:
             s.store_rejections = self.conn.store_rejections
+        if self.tiered is not None:
+            s.tiers = self._tier_figures()
         if self.progress is not None:
             self.progress(self._finished_count, env.now)
         self.rec.flush()
@@ -492,6 +608,8 @@ class Engine:
             problems = self.sched.invariant_problems()
             if self.xfers or self.deferred_stores:
                 problems.append(f"{len(self.xfers)} transfers never completed")
+            if self.tier_xfers or (self.tiered is not None and self.tiered.num_tier_jobs):
+                problems.append(f"{len(self.tier_xfers)} tier jobs never completed")
             if problems:
                 raise InvariantViolation("; ".join(problems))
         return SimulationResult(status, s, list(self.sched.reproducers))

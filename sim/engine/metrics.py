@@ -15,7 +15,8 @@ What it models
       rejected, or still in flight when the run stops);
     * ``steps``: engine step, or run of fast-forwarded decode steps
       (``n_steps`` > 1);
-    * ``transfers``: load (h2d) or store (d2h) job;
+    * ``transfers``: load (h2d) or store (d2h) job, and with secondary
+      tiers each promotion or cascade job (``<tier>:read`` / ``<tier>:write``);
     * ``occupancy``: sample of CPU chunk states and GPU blocks, taken at the
       first step boundary at or after every ``occupancy_interval_s``;
     * ``events``: modelled crashes, hazards, rejections, deadlock breaks,
@@ -250,8 +251,10 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "transfers": {
         "job_id": ("-", "the job's id, unique in the run"),
-        "req_id": ("-", "the request it belongs to"),
-        "direction": ("-", "h2d (a load from the CPU cache) | d2h (a store to the CPU cache)"),
+        "req_id": ("-", "the request it belongs to (empty for a tier job)"),
+        "direction": ("-", "h2d (a load from the CPU cache) | d2h (a store to the CPU cache) | "
+                           "<tier label>:read (a promotion, tier -> CPU) | <tier label>:write (a cascade, "
+                           "CPU -> tier), e.g. 1:nvme:read; tier jobs only with [[tiers]]"),
         "chunks": ("chunks", "CPU chunks moved"),
         "blocks": ("blocks", "GPU blocks moved"),
         "bytes": ("bytes", "bytes moved"),
@@ -499,6 +502,8 @@ class RunSummary(SchedulerStats):
     queue_n: array[int] = field(default_factory=lambda: array("q"))
     #: prompt tokens of the finished requests
     finished_prompt_tokens: int = 0
+    #: the secondary tiers' figures (``summary.json`` ``tiers``); None: no tier, no key
+    tiers: dict[str, Any] | None = None
 
     def figures(self) -> dict[str, Any]:
         """The summary as a JSON-ready dict (derived rates included)."""
@@ -538,6 +543,8 @@ class RunSummary(SchedulerStats):
             "integrity_violations": self.integrity_violations,
             "sim_time_s": t,
         }
+        if self.tiers is not None:
+            out["tiers"] = self.tiers
         out["load"] = self.load_figures()
         out["overloaded"] = out["load"]["overloaded"]
         rejected = self.requests_rejected

@@ -168,6 +168,23 @@ SUMMARY_KEYS: dict[str, Key] = {
     "reproducers.reproduced": Key("int", "count", "of those, reproduced by kvsim check in isolation",
                                   absent=0),
     "reproducers.files": Key("list", "-", "their file names", absent=[]),
+    "tiers.primary.label": Key("str", "-", "[[tiers]] only: vLLM's label of the CPU tier, 0:primary",
+                               column=False),
+    "tiers.primary.chunk_queries": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_"
+                                       "chunk_queries of the CPU tier (once per request and chunk, HIT "
+                                       "or MISS answers)",
+                                       column=False),
+    "tiers.primary.chunk_hits": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_chunk_hits of "
+                                    "the CPU tier", column=False),
+    "tiers.promotion_allocation_failures": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_"
+                                               "promotion_allocation_failures (no CPU slot for a promotion)",
+                                               column=False),
+    "tiers.secondary": Key("list", "-", "[[tiers]] only: per secondary tier, its label, kind, "
+                           "capacity_chunks, policy, vLLM's chunk_queries, chunk_hits, read_bytes, "
+                           "read_time, write_bytes, write_time, promotion_jobs, cascade_jobs, and "
+                           "kvsim's promoted_chunks_loaded, evictions, store_rejections, "
+                           "occupancy_chunks (mean, peak, end), utilisation "
+                           "(docs/tiers.md)", column=False),
     "workload.bad_lines_skipped": Key("int?", "count", "workload.skip_bad: bad trace lines skipped (null "
                                       "without skip_bad)"),
     "workload.bad_line_examples": Key("list", "-", "workload.skip_bad: the first bad lines, as reported"),
@@ -203,7 +220,7 @@ RESOLVED_DOCS: dict[str, tuple[str, str, str]] = {
     "cpu_cache_bytes": ("int", "bytes", "the CPU cache: the capacity given, else chunks x slot bytes; "
                                         "0 without a CPU cache (long tables: null when only chunks "
                                         "were given)"),
-    "cpu_cache_policy": ("str", "-", "lru | arc"),
+    "cpu_cache_policy": ("str", "-", "lru | arc | belady"),
     "window_logic": ("str", "-", "old | new | latest"),
     "blocks_per_chunk": ("int", "blocks", "GPU blocks per offload chunk"),
     "h2d_bytes_per_s": ("float", "bytes/s", "host-to-device bandwidth (the hardware's, after overrides)"),

@@ -32,7 +32,14 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s,
                           h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
                           host_step_s, host_per_request_s
-    [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc")
+    [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
+    [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
+                          default; docs/tiers.md): device (a storage/1 profile:
+                          scenarios/hardware/storage/<name>.toml, or a path) giving the
+                          figures below, each overridable; kind ("fs" | kvsim's "nvme",
+                          "network", "object"), at most one of capacity (bytes) / chunks
+                          (neither: unbounded), read_bandwidth, write_bandwidth,
+                          latency_s (0), concurrency (1), policy ("lru")
     [scheduler]           max_num_batched_tokens (8192), max_num_seqs (256),
                           prefix_caching (true), blocks_per_chunk (1), tokens_per_hash (16),
                           offload_prompt_only (true), offloading (true), fast_forward (true),
@@ -146,6 +153,7 @@ from pydantic import (
     model_validator,
 )
 
+from sim.engine.links import TierLinkModel
 from sim.engine.loop import CopyPathConfig, EngineConfig
 from sim.errors import InputError
 from sim.io.schema import (
@@ -200,6 +208,7 @@ from sim.model.costs import (
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
 from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutError
+from sim.model.tiers import TierSpec
 
 if TYPE_CHECKING:
     from sim.engine.loop import EngineConfig
@@ -213,13 +222,14 @@ __all__ = [
     "RunScenario",
     "RunSpec",
     "load_run",
+    "load_storage_file",
     "parse_bandwidth",
     "parse_size",
     "scenarios_dir",
     "step_model_for",
 ]
 
-SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1")
+SCHEMAS = ("run/1", "model/1", "hardware/1", "check/1", "sweep/1", "storage/1")
 #: the summary key (a list of one-line strings) of :attr:`RunSpec.warnings`
 HARDWARE_WARNINGS_KEY = "hardware_warnings"
 
@@ -500,11 +510,66 @@ class CpuCacheSection(Strict):
 
     capacity: Size | None = Field(default=None, ge=0, description="host bytes for all workers")
     chunks: CpuChunks | None = Field(default=None, ge=0, description="capacity in chunk slots")
-    policy: Literal["lru", "arc"] = Field(default="lru", description="eviction policy")
+    policy: Literal["lru", "arc", "belady"] = Field(
+        default="lru", description="eviction policy (belady: kvsim's clairvoyant reference, not in vLLM)")
 
     @model_validator(mode="after")
     def _one(self) -> CpuCacheSection:
         _exactly_one(self, ("capacity", "chunks"), at_most=True)
+        return self
+
+
+TierKind = Literal["fs", "nvme", "network", "object"]
+
+
+class StorageFile(Strict):
+    """A ``storage/1`` file: one storage device a secondary tier can stand for (docs/costs.md)."""
+
+    schema_: Literal["storage/1"] = Field(alias="schema", description="format and version")
+    name: str = Field(description="profile name")
+    description: str | None = Field(default=None, description="one line: the device and its source")
+    kind: TierKind = Field(description="the tier kind it makes")
+    read_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of promotions (device -> CPU)")
+    write_bandwidth: Bandwidth = Field(gt=0, description="bytes/s of cascades (CPU -> device)")
+    latency_s: float = Field(ge=0, allow_inf_nan=False, description="fixed cost of one job (s)")
+    concurrency: int = Field(ge=1, le=4096, description="jobs in progress at once")
+
+
+class TierSection(Strict):
+    """One ``[[tiers]]`` entry: a secondary storage tier behind the CPU cache (docs/tiers.md).
+
+    ``device`` names a ``storage/1`` profile (scenarios/hardware/storage/<name>.toml, or a
+    path) that gives ``kind``, the bandwidths, ``latency_s`` and ``concurrency``; the
+    entry's own keys override it. Without a device, ``kind`` and both bandwidths are required.
+    """
+
+    device: str | None = Field(default=None,
+                               description="a storage/1 profile name or path giving the figures")
+    kind: TierKind | None = Field(
+        default=None,
+        description="fs: vLLM's file-system tier; nvme, network, object: kvsim's own labels (same model)")
+    capacity: Size | None = Field(
+        default=None, gt=0, description="bytes it holds (neither this nor chunks: unbounded, as vLLM's)")
+    chunks: CpuChunks | None = Field(default=None, gt=0, description="capacity in chunks")
+    read_bandwidth: Bandwidth | None = Field(default=None, gt=0,
+                                             description="bytes/s of promotions (tier -> CPU)")
+    write_bandwidth: Bandwidth | None = Field(default=None, gt=0,
+                                              description="bytes/s of cascades (CPU -> tier)")
+    latency_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                    description="fixed cost of one job (s; default 0)")
+    concurrency: int | None = Field(default=None, ge=1, le=4096,
+                                    description="jobs in progress at once (default 1)")
+    policy: Literal["lru", "arc", "belady"] = Field(
+        default="lru", description="eviction policy of a bounded tier (kvsim's own; vLLM's never evict)")
+
+    @model_validator(mode="after")
+    def _one(self) -> TierSection:
+        _exactly_one(self, ("capacity", "chunks"), at_most=True)
+        if self.device is None:
+            for key in ("kind", "read_bandwidth", "write_bandwidth"):
+                if getattr(self, key) is None:
+                    raise _ProblemError("required key missing (no device gives it)",
+                                        "a value, or device = a storage/1 profile", key)
         return self
 
 
@@ -672,6 +737,8 @@ class RunScenario(Strict):
     model: ModelSection
     hardware: HardwareSection = HardwareSection()
     cpu_cache: CpuCacheSection = CpuCacheSection()
+    tiers: list[TierSection] = Field(default_factory=list, max_length=8,
+                                     description="secondary tiers behind the CPU cache, in lookup order")
     scheduler: SchedulerSection = SchedulerSection()
     workload: Workload = MultiTurnWorkload(kind="multiturn")
     costs: CostsSection = CostsSection()
@@ -694,6 +761,12 @@ class RunScenario(Strict):
             raise _ProblemError("neither capacity nor chunks given",
                                 "exactly one of capacity, chunks (or scheduler.offloading = false)",
                                 "cpu_cache")
+        if self.tiers and not self.scheduler.offloading:
+            raise _ProblemError("secondary tiers without offloading",
+                                "no [[tiers]], or scheduler.offloading = true", "tiers")
+        if self.tiers and self.copy_path.enabled:
+            raise _ProblemError("the torch copy path does not model secondary tiers",
+                                "no [[tiers]], or copy_path.enabled = false", "tiers")
         return self
 
 
@@ -1151,6 +1224,37 @@ def load_hardware_file(path: Path) -> HardwareFile:
     return hw
 
 
+def load_storage_file(path: Path) -> StorageFile:
+    """Read and validate a ``storage/1`` file."""
+    source = str(path)
+    data = read_toml(path)
+    check_schema(data, source, "storage/1")
+    return _validate(StorageFile, data, source)
+
+
+def _resolve_tiers(sc: RunScenario, base: Path, source: str) -> RunScenario:
+    """Fill every ``[[tiers]]`` entry from its device (its own keys win) and the defaults."""
+    if not sc.tiers:
+        return sc
+    folder = scenarios_dir() / "hardware" / "storage"
+    tiers = []
+    for i, t in enumerate(sc.tiers):
+        fill: dict[str, Any] = {"latency_s": 0.0, "concurrency": 1}
+        if t.device is not None:
+            d = t.device
+            path = (base / d).resolve() if "/" in d or d.endswith(".toml") else folder / f"{d}.toml"
+            if not path.is_file():
+                names = ", ".join(sorted(p.stem for p in folder.glob("*.toml"))) or "(none shipped)"
+                raise InputError(source, f"tiers.{i}.device", f"{d!r}: no such storage profile",
+                                 f"{names}, or a path to a storage/1 file")
+            dev = load_storage_file(path)
+            fill = {k: getattr(dev, k) for k in ("kind", "read_bandwidth", "write_bandwidth", "latency_s",
+                                                  "concurrency")}
+        given = {k: v for k, v in fill.items() if getattr(t, k) is None}
+        tiers.append(t.model_copy(update=given))
+    return sc.model_copy(update={"tiers": tiers})
+
+
 def _resolve_model(sec: ModelSection, base: Path, source: str) -> ResolvedModel:
     if sec.groups is not None:
         mf_groups, label, file_info = tuple(sec.groups), sec.label or "inline", _ModelInfo()
@@ -1335,7 +1439,27 @@ class RunSpec:
             transfer_piece=self.model.kv_transfer_piece,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
             block_accounting=s.block_accounting, decisions=sc.decisions,
-            reserve_full_isl=s.reserve_full_isl)
+            reserve_full_isl=s.reserve_full_isl, **self._tier_config())
+
+    def _tier_config(self) -> dict[str, Any]:
+        """The engine's secondary tiers and their links (nothing when there is none)."""
+        sc = self.scenario
+        if not sc.tiers:
+            return {}
+        specs = []
+        links = []
+        for t in sc.tiers:     # filled by _resolve_tiers
+            assert t.kind is not None and t.read_bandwidth is not None and t.write_bandwidth is not None
+            assert t.latency_s is not None and t.concurrency is not None
+            chunks = t.chunks if t.capacity is None else t.capacity // self.cpu_slot_bytes
+            specs.append(TierSpec(t.kind, chunks, EvictionPolicy(t.policy)))
+            if sc.costs.transfer == "zero":
+                links.append(TierLinkModel(ZERO_TRANSFER, ZERO_TRANSFER, t.concurrency))
+            else:
+                read = TransferModel(float(t.read_bandwidth), t.latency_s)
+                write = TransferModel(float(t.write_bandwidth), t.latency_s)
+                links.append(TierLinkModel(read, write, t.concurrency))
+        return {"tiers": tuple(specs), "tier_links": tuple(links), "tier_chunk_bytes": self.cpu_slot_bytes}
 
     def multiturn_params(self) -> dict[str, Any]:
         """The multi-turn generator's parameters, defaults filled in (multiturn, agentic)."""
@@ -1415,6 +1539,8 @@ class RunSpec:
             hardware[key] = getattr(hw, key)
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
+        if sc.tiers:
+            out["tiers"] = [t.model_dump(exclude_none=True) for t in sc.tiers]
         out["scheduler"] = sc.scheduler.model_dump()
         wl = sc.workload
         if isinstance(wl, MooncakeWorkload):
@@ -1573,6 +1699,13 @@ def _check_vllm_mode(sc: RunScenario, source: str) -> None:
     except VllmMissingError:
         raise InputError(source, "decisions", "vLLM is not installed in this Python environment",
                          INSTALL_HINT.split(": ", 1)[1] + ', or decisions = "model"') from None
+    if sc.tiers:
+        raise InputError(source, "tiers", 'secondary tiers are not available with decisions = "vllm"',
+                         'no [[tiers]], or decisions = "model"')
+    if sc.cpu_cache.policy not in ("lru", "arc"):
+        raise InputError(source, "cpu_cache.policy",
+                         f'{sc.cpu_cache.policy!r} is kvsim\'s own policy, not vLLM\'s (decisions = "vllm")',
+                         '"lru" or "arc", or decisions = "model"')
     if sc.copy_path.enabled:
         raise InputError(source, "copy_path.enabled",
                          'the copy path is not available with decisions = "vllm"',
@@ -1722,6 +1855,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
     if sc.decisions == "vllm":
         _check_vllm_mode(sc, source)
     base = path.resolve().parent
+    sc = _resolve_tiers(sc, base, source)
     model = _resolve_model(sc.model, base, source)
     hw = _resolve_hardware(sc.hardware, base, source)
     s = sc.scheduler

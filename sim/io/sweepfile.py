@@ -179,10 +179,18 @@ def cell_text(value: Any) -> str:
                 return Path(value[k]).stem
         if isinstance(value.get("path"), str):
             return Path(value["path"]).stem
+        size = value.get("capacity", value.get("chunks"))
+        size_text = f"-{size}" if isinstance(size, str | int) else ""
+        if isinstance(value.get("device"), str):     # a [[tiers]] entry
+            return Path(value["device"]).stem + size_text
         if isinstance(value.get("kind"), str):
-            return str(value["kind"])
+            return str(value["kind"]) + size_text
         return "table"
     if isinstance(value, list):
+        if not value:
+            return "none"
+        if all(isinstance(v, dict) for v in value):   # e.g. [[tiers]]
+            return "+".join(cell_text(v) for v in value)
         return "list"
     return str(value)
 

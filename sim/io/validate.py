@@ -2,7 +2,7 @@
 
 One table maps each schema of :data:`~sim.io.scenario.SCHEMAS` to the reader
 that validates it and a one-line description (run/1, model/1, hardware/1,
-check/1, sweep/1).
+check/1, sweep/1, storage/1).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from sim.io.scenario import (
     load_hardware_file,
     load_model_file,
     load_run,
+    load_storage_file,
     read_toml,
 )
 from sim.io.sweepfile import describe_sweep
@@ -42,6 +43,13 @@ def _describe_hardware(path: Path) -> str:
             f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s")
 
 
+def _describe_storage(path: Path) -> str:
+    st = load_storage_file(path)
+    return (f"storage/1: {st.name} ({st.kind}), read {st.read_bandwidth / 1e9:g} GB/s, "
+            f"write {st.write_bandwidth / 1e9:g} GB/s, {st.latency_s * 1e6:g} us per job, "
+            f"{st.concurrency} jobs at once")
+
+
 def _describe_check(path: Path) -> str:
     batch, items = load_check_file(path, jsonl=path.suffix == ".jsonl")
     for i, item in enumerate(items):
@@ -61,7 +69,7 @@ def _describe_run(path: Path) -> str:
 #: schema -> its reader and one-line description
 _DESCRIBE: dict[str, Callable[[Path], str]] = {
     "run/1": _describe_run, "model/1": _describe_model, "hardware/1": _describe_hardware,
-    "check/1": _describe_check, "sweep/1": describe_sweep,
+    "check/1": _describe_check, "sweep/1": describe_sweep, "storage/1": _describe_storage,
 }
 
 

@@ -18,6 +18,11 @@ What it models
       reachability, ``prepare_store``, touch;
     * job completion (spec §9 step 3b) and request finish.
 
+    With secondary tiers the CPU manager is a :class:`sim.model.tiers.TieredCache`
+    (same interface; a lookup may start a promotion and answer HIT_PENDING,
+    which defers the request like a pending store); the connector only names
+    the request around each lookup, for vLLM's per-request chunk-query counts.
+
     Everything that differs between vLLM 0.29 and 0.30 is asked of the
     :mod:`sim.model.windows` profile; this module never branches on the version.
 
@@ -47,7 +52,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
 from sim.model.gpu_cache import NULL_BLOCK_ID, Block
@@ -74,6 +79,14 @@ _HIT = LookupResult.HIT
 _PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
 _MISS = LookupResult.MISS
+
+
+@runtime_checkable
+class _TieredLookup(Protocol):
+    """What a tiered CPU manager (:class:`sim.model.tiers.TieredCache`) adds to a lookup."""
+
+    def begin_lookup(self, req_id: str) -> None: ...
+    def end_lookup(self, req_id: str, definite: bool) -> None: ...
 
 
 class RequestLike(Protocol):
@@ -269,6 +282,8 @@ class OffloadingScheduler:
             eagle = [True] * len(eagle)
         self.eagle: tuple[bool, ...] = tuple(eagle)
         self.being_loaded: set[OffloadKey] | None = set() if prefix_caching else None
+        #: the CPU manager when it has secondary tiers (chunk-query counting per request)
+        self._tiered: _TieredLookup | None = cpu if isinstance(cpu, _TieredLookup) else None
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count()
@@ -346,7 +361,12 @@ class OffloadingScheduler:
             return MatchResult(None, False, "in_flight_jobs")
         self._refresh_keys(st)
         st.local_tokens = local_tokens
+        tiered = self._tiered
+        if tiered is not None:
+            tiered.begin_lookup(req.req_id)
         hit, reason = self._lookup(st)
+        if tiered is not None:
+            tiered.end_lookup(req.req_id, hit is not None)
         total = local_tokens + (hit or 0)
         for g in range(len(self._groups)):
             st.num_hit_chunks[g] = total // self._tpc[g]

@@ -36,6 +36,13 @@ What it models
     * :class:`ArcPolicy`: adaptive replacement with lists T1/T2, ghost lists
       B1/B2 and a float target ``p`` for T1, including vLLM's single forward
       scan of each list while choosing a batch of victims.
+    * :class:`BeladyPolicy` (kvsim's own, not in vLLM): clairvoyant eviction of
+      the idle chunk whose next use lies farthest in the future, asked of a
+      :class:`NextUse` oracle built from the workload
+      (:mod:`sim.model.future`, which also says what "next use" means in a
+      closed-loop simulation and why it is a reference point rather than a
+      proven bound). It needs that oracle, so it can only be used where the
+      whole workload is known in advance (a run, not ``kvsim check``).
 
     Optionally (``store_threshold >= 2``) an admission filter lets a key be
     stored only once it has been offered that many times, counted in a bounded
@@ -65,7 +72,8 @@ Invariants (verified by :meth:`CpuChunkCache.check_invariants`)
       every present key owns a distinct slot, none of them on the free list;
     * the O(1) counters of PENDING, READY (= evictable) and LOADING chunks
       agree with a recount, and no ref count is below -1;
-    * LRU: the idle list holds exactly the READY keys;
+    * LRU: the idle list holds exactly the READY keys; Belady: so does its
+      ranking, each with a live heap entry;
       ARC: T1 and T2 partition the present keys, the ghost lists hold no
       present key and at most ``capacity`` keys each, and ``0 <= p <= capacity``;
     * the admission tracker holds at most ``tracker_size`` keys.
@@ -74,14 +82,17 @@ Invariants (verified by :meth:`CpuChunkCache.check_invariants`)
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, TypeAlias
 
 __all__ = [
+    "NEVER",
     "ArcPolicy",
     "AssertionReason",
+    "BeladyPolicy",
     "CacheAssertion",
     "CacheEvent",
     "CacheInvariantError",
@@ -94,6 +105,7 @@ __all__ = [
     "LoadStarted",
     "LookupResult",
     "LruPolicy",
+    "NextUse",
     "OffloadKey",
     "StoreCancelled",
     "StoreReservation",
@@ -135,6 +147,8 @@ class EvictionPolicy(enum.StrEnum):
 
     LRU = "lru"
     ARC = "arc"
+    BELADY = "belady"
+    """kvsim's own: clairvoyant (optimal-eviction reference), needs a :class:`NextUse` oracle."""
 
 
 AssertionReason: TypeAlias = Literal["missing_chunk", "chunk_not_ready"]
@@ -538,6 +552,128 @@ class ArcPolicy:
         return found
 
 
+NEVER: Final = 1 << 62
+"""Next use of a chunk no future request needs (larger than any request position)."""
+
+
+class NextUse(Protocol):
+    """What :class:`BeladyPolicy` asks of the future (see :mod:`sim.model.future`)."""
+
+    def next_use(self, key: OffloadKey) -> int:
+        """Position of the next request that will use ``key``, or :data:`NEVER`."""
+
+    def subscribe(self, listener: Callable[[Sequence[OffloadKey]], None]) -> None:
+        """Call ``listener`` with the keys whose next use has just moved later."""
+
+
+class BeladyPolicy:
+    """Belady's MIN rule over the READY chunks: evict the farthest next use.
+
+    Each READY key sits in a max-heap by its next use (as the oracle answers
+    when the key became idle or its next use last moved). Ties go to the key
+    ranked *last*: keys of one store are ranked in prompt order, and when two
+    chunks serve the same next request, losing the deeper one costs less of
+    that request's prefix hit (a hit ends at the first missing chunk). The
+    choice is deterministic. Entries go stale when a key leaves READY or its next use
+    moves: the heap is cleaned lazily on eviction and rebuilt when stale
+    entries outnumber live ones. ``touch`` changes nothing (recency does not
+    matter to a clairvoyant policy); the oracle tells the policy when next uses
+    move.
+    """
+
+    __slots__ = ("_future", "_heap", "_idle", "_seq")
+
+    def __init__(self, capacity: int, future: NextUse) -> None:
+        del capacity
+        self._future = future
+        #: READY key -> (next use, tie-break sequence) of its live heap entry.
+        self._idle: dict[OffloadKey, tuple[int, int]] = {}
+        #: (-next use, -sequence, key): farthest use first, then the last ranked;
+        #: entries not matching ``_idle`` are stale.
+        self._heap: list[tuple[int, int, OffloadKey]] = []
+        self._seq = 0
+        future.subscribe(self._moved)
+
+    def _push(self, key: OffloadKey) -> None:
+        nu = self._future.next_use(key)
+        self._seq += 1
+        self._idle[key] = (nu, self._seq)
+        heapq.heappush(self._heap, (-nu, -self._seq, key))
+        if len(self._heap) > 2 * len(self._idle) + 64:
+            self._heap = [(-nu, -seq, k) for k, (nu, seq) in self._idle.items()]
+            heapq.heapify(self._heap)
+
+    def _moved(self, keys: Sequence[OffloadKey]) -> None:
+        """The oracle moved the next use of ``keys``: re-rank the READY ones."""
+        idle = self._idle
+        for key in keys:
+            if key in idle and idle[key][0] != self._future.next_use(key):
+                self._push(key)
+
+    def next_use_of(self, key: OffloadKey) -> int | None:
+        """The next use a READY key is ranked by, or None if it is not READY."""
+        entry = self._idle.get(key)
+        return None if entry is None else entry[0]
+
+    def insert(self, key: OffloadKey, chunk: _Chunk) -> None:
+        """Pending chunks are not ranked until their store completes."""
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget ``key`` (its heap entry goes stale)."""
+        self._idle.pop(key, None)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Recency is irrelevant to a clairvoyant policy."""
+
+    def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:
+        """Take the ``n`` READY keys not in ``protected`` with the farthest next use."""
+        if n <= 0:
+            return []
+        idle, heap = self._idle, self._heap
+        if len(idle) - len(protected & idle.keys()) < n:
+            return None
+        victims: list[OffloadKey] = []
+        skipped: list[tuple[int, int, OffloadKey]] = []
+        while len(victims) < n:
+            entry = heapq.heappop(heap)
+            neg, negseq, key = entry
+            if idle.get(key) != (-neg, -negseq):
+                continue            # stale
+            if key in protected:
+                skipped.append(entry)
+                continue
+            victims.append(key)
+            del idle[key]
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return victims
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key`` became idle: rank it by its next use now."""
+        self._push(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """``key`` is being loaded: not a candidate until its last load completes."""
+        del self._idle[key]
+
+    def clear(self) -> None:
+        """Forget every key (the oracle's knowledge of the future stays)."""
+        self._idle.clear()
+        self._heap.clear()
+
+    def problems(self, chunks: Mapping[OffloadKey, _Chunk]) -> list[str]:
+        """The ranked keys are exactly the READY keys, each with a live heap entry."""
+        ready = {key for key, chunk in chunks.items() if chunk.ref == 0}
+        found: list[str] = []
+        if ready != set(self._idle):
+            found.append(f"Belady ranked keys {sorted(self._idle)} != READY keys {sorted(ready)}")
+        live = {(-neg, -negseq, key) for neg, negseq, key in self._heap}
+        for key, (nu, seq) in self._idle.items():
+            if (nu, seq, key) not in live:
+                found.append(f"Belady key {key} has no live heap entry")
+        return found
+
+
 def _next_idle(
     cursor: Iterator[tuple[OffloadKey, _Chunk]], protected: Set[OffloadKey]
 ) -> OffloadKey | None:
@@ -548,10 +684,17 @@ def _next_idle(
     return None
 
 
-#: The one place a policy name is turned into a policy.
-_POLICY_TABLE: Final[Mapping[EvictionPolicy, Callable[[int], _Policy]]] = {
-    EvictionPolicy.LRU: LruPolicy,
-    EvictionPolicy.ARC: ArcPolicy,
+def _belady(capacity: int, future: NextUse | None) -> _Policy:
+    if future is None:
+        raise ValueError("the belady policy needs the workload's future (a NextUse oracle)")
+    return BeladyPolicy(capacity, future)
+
+
+#: The one place a policy name is turned into a policy (capacity, oracle -> policy).
+_POLICY_TABLE: Final[Mapping[EvictionPolicy, Callable[[int, NextUse | None], _Policy]]] = {
+    EvictionPolicy.LRU: lambda capacity, future: LruPolicy(capacity),
+    EvictionPolicy.ARC: lambda capacity, future: ArcPolicy(capacity),
+    EvictionPolicy.BELADY: _belady,
 }
 
 _HIT: Final = LookupResult.HIT
@@ -577,9 +720,12 @@ class CpuChunkCache:
         store_threshold: Offers a key needs before it is stored; values below 2
             switch the admission filter off (vLLM's default is 1).
         tracker_size: Most keys the admission filter remembers.
+        future: The workload's next uses; required by (and only used by) the
+            ``belady`` policy.
 
     Raises:
-        ValueError: On a negative capacity or threshold, or a tracker size below 1.
+        ValueError: On a negative capacity or threshold, a tracker size below 1,
+            or the ``belady`` policy without ``future``.
     """
 
     def __init__(
@@ -588,6 +734,7 @@ class CpuChunkCache:
         policy: EvictionPolicy = EvictionPolicy.LRU,
         store_threshold: int = 0,
         tracker_size: int = 64_000,
+        future: NextUse | None = None,
     ) -> None:
         if capacity_chunks < 0:
             raise ValueError(f"capacity_chunks must be >= 0, got {capacity_chunks}")
@@ -597,7 +744,7 @@ class CpuChunkCache:
             raise ValueError(f"tracker_size must be >= 1, got {tracker_size}")
         self._capacity = capacity_chunks
         self._policy_kind = EvictionPolicy(policy)
-        self._policy: _Policy = _POLICY_TABLE[self._policy_kind](capacity_chunks)
+        self._policy: _Policy = _POLICY_TABLE[self._policy_kind](capacity_chunks, future)
         self._store_threshold = store_threshold
         self._tracker_size = tracker_size
         #: Offer counts for admission, least recently offered first; None when off.

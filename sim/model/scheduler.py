@@ -113,10 +113,12 @@ from sim.model.costs import (
     pieces_per_block,
 )
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
+from sim.model.future import FutureUses
 from sim.model.gpu_cache import Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.request import LiveRequest, Request, RequestStatus
+from sim.model.tiers import TieredCache, TierSpec
 from sim.model.windows import profile
 
 __all__ = [
@@ -179,6 +181,14 @@ class SchedulerConfig:
     #: admit a new (or resumed) request only if blocks for its whole input fit
     #: (vLLM's ``scheduler_reserve_full_isl``, on by default in 0.29 to 0.33)
     reserve_full_isl: bool = True
+    #: secondary tiers behind the CPU tier (:mod:`sim.model.tiers`); empty: none
+    tiers: tuple[TierSpec, ...] = ()
+
+    @property
+    def needs_future(self) -> bool:
+        """Some tier (the CPU's or a secondary one) evicts with ``belady``."""
+        return self.offloading and (self.eviction is EvictionPolicy.BELADY
+                                    or any(t.policy is EvictionPolicy.BELADY for t in self.tiers))
 
 
 #: block accounting -> GPU KV cache class (same interface, same decisions)
@@ -539,10 +549,19 @@ class Scheduler:
     Args:
         cfg: policy, caches and cost model.
         hooks: what the engine wants to see (default: nothing).
+        future: the workload's chunk uses; required by the ``belady`` eviction
+            policy (:mod:`sim.model.future`), whose uses the scheduler consumes
+            at a request's first definite lookup answer and at its release.
+
+    Raises:
+        ValueError: the ``belady`` policy without ``future``.
     """
 
-    def __init__(self, cfg: SchedulerConfig, hooks: SchedulerHooks | None = None) -> None:
+    def __init__(self, cfg: SchedulerConfig, hooks: SchedulerHooks | None = None,
+                 future: FutureUses | None = None) -> None:
         self.cfg = cfg
+        #: consumed uses of the belady oracle (None for every other policy)
+        self.future = future if cfg.needs_future else None
         self.hooks = hooks or SchedulerHooks()
         layout = cfg.layout
         self.layout = layout
@@ -554,7 +573,11 @@ class Scheduler:
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
-            self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction)
+            if cfg.tiers:
+                self.cpu = TieredCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
+                                       tiers=cfg.tiers)
+            else:
+                self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only,
@@ -743,6 +766,7 @@ class Scheduler:
                 self._count_deferral(r, m.defer_reason or "unknown")
                 return _DEFER
             ext, load_async = m.tokens, m.load_async
+            self._consume_use(r)
         if r.deferred_since is not None:     # the lookup answered after deferring
             r.deferred_s += self.now - r.deferred_since
             r.deferred_since = None
@@ -1063,9 +1087,16 @@ class Scheduler:
             self.conn.drop_if_idle(r.req_id)
         self._release(r)
 
+    def _consume_use(self, r: LiveRequest) -> None:
+        """The belady oracle: ``r``'s use of its chunks is over (a definite
+        lookup answer, or it left the engine)."""
+        if self.future is not None:
+            self.future.consume(r.req_id)
+
     def _release(self, r: LiveRequest) -> None:
         """The request is done with the engine."""
         del self.requests[r.req_id]
+        self._consume_use(r)
         if self.hooks.release is not None:
             self.hooks.release(r)
 

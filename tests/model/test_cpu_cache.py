@@ -22,7 +22,9 @@ from hypothesis.stateful import (
 )
 
 from sim.model.cpu_cache import (
+    NEVER,
     ArcPolicy,
+    BeladyPolicy,
     CacheAssertion,
     CacheInvariantError,
     ChunksEvicted,
@@ -737,12 +739,15 @@ class LruCacheMachine(RuleBasedStateMachine):
         # disables some rules per example, and an empty cache would make many
         # examples vacuous.
         self.capacity = capacity
-        self.cache = CpuChunkCache(capacity, self.policy)
+        self.cache = self.make_cache(capacity)
         if prefill:
             self.prepare_store(prefill[:capacity])
             self.complete_store_job(0, True)
 
     # -- model helpers
+
+    def make_cache(self, capacity: int) -> CpuChunkCache:
+        return CpuChunkCache(capacity, self.policy)
 
     def choose_victims(self, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
         victims = [key for key in self.recency if key not in protected][:need]
@@ -929,3 +934,138 @@ TestLruCacheMachine = LruCacheMachine.TestCase
 TestLruCacheMachine.settings = MACHINE_SETTINGS
 TestArcCacheMachine = ArcCacheMachine.TestCase
 TestArcCacheMachine.settings = MACHINE_SETTINGS
+
+
+# ------------------------------------------------------------------ Belady
+
+
+class FakeFuture:
+    """A hand-written oracle: next uses in a dict, moved by the test."""
+
+    def __init__(self, uses: dict[OffloadKey, int] | None = None) -> None:
+        self.uses = dict(uses or {})
+        self.listeners: list = []
+
+    def next_use(self, key: OffloadKey) -> int:
+        return self.uses.get(key, NEVER)
+
+    def subscribe(self, listener) -> None:  # type: ignore[no-untyped-def]
+        self.listeners.append(listener)
+
+    def move(self, **later: int) -> None:
+        """Move next uses later (keys named by letter) and tell the listeners."""
+        keys = [NAMED[name] for name in later]
+        for key, nu in zip(keys, later.values(), strict=True):
+            self.uses[key] = nu
+        for listener in self.listeners:
+            listener(keys)
+
+
+NAMED = dict(zip("ABCDEFG", (A, B, C, D, E, F, G), strict=True))
+
+
+def belady(capacity: int, future: FakeFuture) -> CpuChunkCache:
+    return CpuChunkCache(capacity, EvictionPolicy.BELADY, future=future)
+
+
+def test_belady_needs_an_oracle() -> None:
+    with pytest.raises(ValueError, match="belady"):
+        CpuChunkCache(2, EvictionPolicy.BELADY)
+
+
+def test_belady_evicts_the_farthest_next_use_never_used_first() -> None:
+    fut = FakeFuture({A: 5, B: 9, C: 2})          # D is never used again
+    cache = belady(4, fut)
+    stored(cache, A, B, C, D)
+    assert eviction_order(cache) == [D, B, A, C]
+    plan = store_plan(cache, E)
+    assert plan.evicted == (D,)
+    cache.complete_store([E])                      # E: never used
+    assert store_plan(cache, F, G).evicted == (E, B)
+
+
+def test_belady_ties_go_to_the_key_ranked_last() -> None:
+    fut = FakeFuture({A: 3, B: 3, C: 3})
+    cache = belady(3, fut)
+    stored(cache, B, A)                 # one store: ranked in offer order, B then A
+    stored(cache, C)
+    assert eviction_order(cache) == [C, A, B]
+
+
+def test_belady_reranks_when_the_oracle_moves_a_next_use() -> None:
+    fut = FakeFuture({A: 1, B: 2, C: 3})
+    cache = belady(3, fut)
+    stored(cache, A, B, C)
+    assert eviction_order(cache) == [C, B, A]
+    fut.move(A=10)                                  # A's use at 1 was consumed
+    assert eviction_order(cache) == [A, C, B]
+    assert store_plan(cache, D).evicted == (A,)
+    cache.check_invariants()
+
+
+def test_belady_never_evicts_pending_loading_or_protected_chunks() -> None:
+    fut = FakeFuture({A: 1, B: 2})                  # C, D: never again
+    cache = belady(4, fut)
+    stored(cache, A, B, C)
+    cache.prepare_load([C])                         # C loading
+    store_plan(cache, D)                            # D pending
+    assert store_plan(cache, E, B).evicted == (A,)  # B offered: protected
+    assert cache.prepare_store([F, G]) is None      # only B is idle now... and C, D are not
+    cache.complete_load([C])
+    fut.move(B=7)
+    assert cache.prepare_store([F, B]) is not None
+    cache.check_invariants()
+
+
+def test_belady_touch_changes_nothing() -> None:
+    fut = FakeFuture({A: 1, B: 2})
+    cache = belady(2, fut)
+    stored(cache, A, B)
+    cache.touch([B, A])
+    assert eviction_order(cache) == [B, A]
+
+
+def test_belady_invariants_catch_a_lost_ranking() -> None:
+    fut = FakeFuture({A: 1})
+    cache = belady(2, fut)
+    stored(cache, A)
+    policy = cache._policy
+    assert isinstance(policy, BeladyPolicy)
+    policy._idle.clear()
+    with pytest.raises(CacheInvariantError, match="Belady"):
+        cache.check_invariants()
+
+
+class BeladyCacheMachine(LruCacheMachine):
+    """The same model for Belady, with an oracle the machine moves: any legal
+    victims are accepted if no eligible key left behind has a farther next use."""
+
+    policy = EvictionPolicy.BELADY
+
+    def make_cache(self, capacity: int) -> CpuChunkCache:
+        self.future = FakeFuture({key: 10 * i for i, key in enumerate(KEYS) if i % 3})
+        return CpuChunkCache(capacity, self.policy, future=self.future)
+
+    @rule(index=st.integers(min_value=0, max_value=len(KEYS) - 1), step=st.integers(1, 40))
+    def consume(self, index: int, step: int) -> None:
+        key = KEYS[index]
+        now = self.future.uses.get(key)
+        if now is not None:
+            self.future.uses[key] = now + step
+            for listener in self.future.listeners:
+                listener([key])
+
+    def check_victims(
+        self, victims: Sequence[OffloadKey], need: int, protected: set[OffloadKey]
+    ) -> None:
+        assert len(victims) == len(set(victims)) == need
+        for key in victims:
+            assert self.ref.get(key) == 0 and key not in protected
+        left = [key for key, ref in self.ref.items()
+                if ref == 0 and key not in protected and key not in victims]
+        nearest_victim = min(self.future.next_use(key) for key in victims)
+        assert all(self.future.next_use(key) <= nearest_victim for key in left)
+
+
+TestBeladyCacheMachine = BeladyCacheMachine.TestCase
+TestBeladyCacheMachine.settings = MACHINE_SETTINGS
