@@ -156,3 +156,32 @@ def vllm_venvs() -> dict[str, Path]:
         version, _, path = item.partition("=")
         out[version] = Path(path)
     return out
+
+
+#: a run/1 scenario of one full-attention group, 16 chat sessions spread out so that no
+#: admission waits for blocks, CPU hits in the run (kvsim fidelity and the real-vLLM tests)
+QUIET_FULL_ATTENTION = """
+schema = "run/1"
+name = "quiet"
+[model]
+label = "full16"
+groups = [{ kind = "full", tokens_per_block = 16, layers = 2, kv_heads = 1, head_size = 8, dtype = "fp16" }]
+[hardware]
+gpu_blocks = 1200
+[cpu_cache]
+chunks = 3000
+[scheduler]
+blocks_per_chunk = 4
+tokens_per_hash = 16
+max_num_batched_tokens = 2048
+[workload]
+kind = "multiturn"
+sessions = 16
+session_rate_per_s = 0.2
+think_time_mean_s = 30.0
+max_context_tokens = 8000
+output_tokens_mean = 40
+[costs]
+step = { overhead_s = 0.005, prefill_token_s = 1e-5, decode_seq_s = 1e-4, context_token_s = 1e-7 }
+transfer = "hardware"
+"""

@@ -297,14 +297,17 @@ class Engine:
                 break
             if busy:
                 continue
-            if (self.arrivals_done and not self.sched.requests and not self.xfers
-                    and not self.deferred_stores and not self.tier_xfers):
+            if self.arrivals_done and self._drained():
                 break
             yield from self._wait_idle()
         self._sample(force=True)
         self.end_s = env.now
         if not self._stop.triggered:
             self._stop.succeed()
+
+    def _drained(self) -> bool:
+        """Nothing left to do once arrivals are over: no request, no transfer in flight or due."""
+        return not self.sched.requests and not self.xfers and not self.deferred_stores and not self.tier_xfers
 
     def _wait_idle(self) -> Proc:
         """Sleep until kicked (or the time limit), still taking the occupancy

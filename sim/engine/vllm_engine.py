@@ -101,26 +101,8 @@ class VllmEngine(Engine):
             r.status = RequestStatus.UNFINISHED
         self._write_request(r)
 
-    def _engine(self) -> Proc:
-        env = self.env
-        yield At(env, 0, LATE)
-        while True:
-            if self.cfg.max_sim_time_s is not None and env.now >= self.cfg.max_sim_time_s:
-                self.stop_reason = "time_limit"
-            if self.stop_reason is not None:
-                break
-            busy = yield from self._step()
-            if self.stop_reason is not None:
-                break
-            if busy:
-                continue
-            if self.arrivals_done and not self.real.has_work() and not self.xfers and not self._unsubmitted():
-                break
-            yield from self._wait_idle()
-        self._sample(force=True)
-        self.end_s = env.now
-        if not self._stop.triggered:
-            self._stop.succeed()
+    def _drained(self) -> bool:
+        return not self.real.has_work() and not self.xfers and not self._unsubmitted()
 
     def _unsubmitted(self) -> bool:
         """vLLM's worker holds stores deferred to the next step."""

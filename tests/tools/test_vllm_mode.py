@@ -19,35 +19,10 @@ import pandas as pd
 import pytest
 
 from sim.tools.fidelity import REQUEST_FIELDS
-from tests.helpers import ROOT, VLLM_LOGIC_OF
+from tests.helpers import QUIET_FULL_ATTENTION, ROOT, VLLM_LOGIC_OF
 
 #: full attention, no admission contention: the real schedulers and kvsim's model must agree
-#: on every decision (GPU and CPU hits, loads, stores, times)
-AGREE = """
-schema = "run/1"
-name = "agree"
-[model]
-label = "full16"
-groups = [{ kind = "full", tokens_per_block = 16, layers = 2, kv_heads = 1, head_size = 8, dtype = "fp16" }]
-[hardware]
-gpu_blocks = 1200
-[cpu_cache]
-chunks = 3000
-[scheduler]
-blocks_per_chunk = 4
-tokens_per_hash = 16
-max_num_batched_tokens = 2048
-[workload]
-kind = "multiturn"
-sessions = 16
-session_rate_per_s = 0.2
-think_time_mean_s = 30.0
-max_context_tokens = 8000
-output_tokens_mean = 40
-[costs]
-step = { overhead_s = 0.005, prefill_token_s = 1e-5, decode_seq_s = 1e-4, context_token_s = 1e-7 }
-transfer = "hardware"
-"""
+AGREE = QUIET_FULL_ATTENTION
 
 #: the spec's hybrid layout (section 6): three groups, two sliding windows
 HYBRID = """
