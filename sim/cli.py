@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import sim.startup  # noqa: F401 -- first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
-from sim.io.check import evaluate, load_check_file, parse_check, scenario_outcomes, summarize
+from sim.io.check import evaluate, load_check_file, prepare_check, scenario_outcomes, summarize
 from sim.io.results import (
     RunWriter,
     find_unreadable,
@@ -88,7 +88,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         try:
             if isinstance(item, dict) and "__error__" in item:
                 raise InputError(source, "", item["__error__"])
-            sc = parse_check(item, source)
+            sc, table = prepare_check(item, source)
         except InputError as exc:
             if not batch:
                 raise
@@ -102,7 +102,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if args.copy_path:
             results.append(_replays(sc, source, args.json or args.jsonl))
             continue
-        outcomes, mismatches = evaluate(sc, source)
+        outcomes, mismatches = evaluate(sc, source, table)
         failed = failed or bool(mismatches)
         result: Any = outcomes if len(outcomes) > 1 else next(iter(outcomes.values()))
         results.append(result)

@@ -35,13 +35,12 @@ State construction (the reference path; the kernel reads the same states)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -68,11 +67,13 @@ from sim.model.windows import profile
 __all__ = [
     "CheckCase",
     "CheckScenario",
+    "KernelTable",
     "case_outcomes",
     "case_toml",
     "compare",
     "load_check_file",
     "parse_check",
+    "prepare_check",
     "reference_check",
     "run_check",
     "scenario_outcomes",
@@ -342,6 +343,23 @@ def _allowed_keys(loc: tuple[Any, ...]) -> str:
 
 def parse_check(data: Any, source: str) -> CheckScenario:
     """Validate one scenario object; raise :class:`InputError` with its location."""
+    return prepare_check(data, source)[0]
+
+
+class KernelTable(NamedTuple):
+    """What :func:`prepare_check` built for the decision kernel while validating
+    a scenario: its layout and chunk table (see :func:`_scenario_table`)."""
+
+    layout: DecisionLayout
+    codes: list[list[Any]]
+    loading: set[tuple[int, int]]
+
+
+def prepare_check(data: Any, source: str) -> tuple[CheckScenario, KernelTable | None]:
+    """:func:`parse_check`, also returning the kernel's table of the scenario
+    (None where only the validating reader could read it), for
+    :func:`evaluate`: a batch then reads each scenario's chunk states once.
+    The table depends on no field that ``window_logic`` copies change."""
     if not isinstance(data, dict):
         raise InputError(source, "", "not a check scenario (a table/object)", 'schema = "check/1"')
     if data.get("schema") != "check/1":
@@ -353,41 +371,16 @@ def parse_check(data: Any, source: str) -> CheckScenario:
         if isinstance(inner, LayoutError):
             raise InputError(source, inner.key, inner.problem, inner.allowed) from None
         raise _located(exc, source) from None
-    _check_chunk_states(sc, source)
-    return sc
-
-
-def _check_chunk_states(sc: CheckScenario, source: str) -> None:
-    """:func:`expand_chunk_states`'s checks by whole ranges (no per-chunk
-    dictionary): any problem is reported by :func:`expand_chunk_states` itself,
-    so the messages are its own."""
-    layout = sc.layout()
-    stated = 0
-    ngroups = len(sc.groups)
-    for gkey, table in sc.chunk_states.items():
-        if not gkey.isdigit() or int(gkey) >= ngroups:
-            break
-        limit = layout.num_keys(int(gkey), sc.num_tokens)
-        spans: list[tuple[int, int]] = []
-        for ckey in table:
-            rng = _parse_chunk_range(ckey)
-            if rng is None or rng[-1] >= limit:
-                break
-            spans.append((rng.start, rng.stop))
-        else:
-            spans.sort()
-            if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)):
-                stated += sum(b - a for a, b in spans)
-                continue
-        break
-    else:
-        cap = sc.cpu_capacity_chunks
-        local = sc.gpu_computed_tokens
-        if ((cap is None or stated <= cap) and local < sc.num_tokens
-                and not any(local % g.tokens_per_block for g in sc.groups)
-                and (sc.prefix_caching or not local)):
-            return
-    expand_chunk_states(sc, source)   # raises the located error
+    if sc.gpu_computed_tokens and not sc.prefix_caching:
+        expand_chunk_states(sc, source)   # raises the located error
+    dl = _scenario_layout(sc)
+    table = _scenario_table(sc, dl)
+    if table is None:
+        # a problem (raised, located, by the validating reader), or a form the
+        # fast reader is not sure of (a group key such as "00"): valid then
+        expand_chunk_states(sc, source)
+        return sc, None
+    return sc, KernelTable(dl, *table)
 
 
 def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
@@ -562,12 +555,13 @@ def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+def evaluate(sc: CheckScenario, source: str, table: KernelTable | None = None
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """Run every logic the scenario asks for; return outcomes and mismatches.
 
     With ``window_logic = "both"`` an expectation of another logic (e.g.
     ``[expect.latest]``) is checked too; its outcome is not returned."""
-    outcomes = scenario_outcomes(sc, source)
+    outcomes = scenario_outcomes(sc, source, table)
     mismatches: dict[str, list[str]] = {}
     if sc.expect:
         extra: tuple[Logic, ...] = ()
@@ -577,27 +571,31 @@ def evaluate(sc: CheckScenario, source: str) -> tuple[dict[str, dict[str, Any]],
             exp = sc.expect.get(logic)
             if exp is not None:
                 out = outcomes[logic] if logic in outcomes else \
-                    scenario_outcomes(sc.model_copy(update={"window_logic": logic}), source)[logic]
+                    scenario_outcomes(sc.model_copy(update={"window_logic": logic}), source, table)[logic]
                 diffs = compare(exp, out)
                 if diffs:
                     mismatches[logic] = diffs
     return outcomes, mismatches
 
 
-def scenario_outcomes(sc: CheckScenario, source: str) -> dict[str, dict[str, Any]]:
+def scenario_outcomes(sc: CheckScenario, source: str, table: KernelTable | None = None
+                      ) -> dict[str, dict[str, Any]]:
     """The outcome of every logic the scenario asks for (:func:`run_check`'s
     on ``sc.case(source)``), without building the :class:`CheckCase`: the
-    chunk-state ranges are written straight into the kernel's table. A
-    scenario whose states or local hit do not pass that way goes through
+    chunk-state ranges are written straight into the kernel's table (or
+    ``table``, which :func:`prepare_check` built for ``sc``). A scenario whose
+    states or local hit do not pass that way goes through
     :meth:`CheckScenario.case` (which validates them: :class:`InputError`)."""
-    dl = _scenario_layout(sc)
     n = sc.num_tokens
-    table = _scenario_table(sc, dl)
     if table is None:
-        states = sc.case(source).states
-        return decide(dl, states, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics())
-    codes, loading = table
-    return decide_codes(dl, codes, loading, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics())
+        dl = _scenario_layout(sc)
+        t = _scenario_table(sc, dl)
+        if t is None:
+            states = sc.case(source).states
+            return decide(dl, states, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics())
+        table = KernelTable(dl, *t)
+    return decide_codes(table.layout, table.codes, table.loading, n, sc.gpu_computed_tokens,
+                        sc.prefix_caching, sc.logics())
 
 
 _LAYOUTS: dict[tuple[Any, ...], DecisionLayout] = {}

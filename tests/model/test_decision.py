@@ -26,8 +26,10 @@ from sim.io.check import (
     CheckScenario,
     case_outcomes,
     evaluate,
+    expand_chunk_states,
     load_check_file,
     parse_check,
+    prepare_check,
     reference_check,
     run_check,
     scenario_outcomes,
@@ -161,6 +163,47 @@ def test_unvalidated_chunk_states_raise_the_located_error(change: dict[str, Any]
     with pytest.raises(InputError) as want:
         parse_check({**S6, **change}, "bad")
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize(("change", "where"), [
+    ({"chunk_states": {"1": {"14..99": "present"}}}, r"chunk_states\.1\.14\.\.99"),
+    ({"chunk_states": {"7": {"1": "present"}}}, r"chunk_states\.7"),
+    ({"chunk_states": {"1": {"1..4": "present", "4": "pending"}}}, r"chunk_states\.1"),
+    ({"cpu_capacity_chunks": 2}, "cpu_capacity_chunks"),
+    ({"gpu_computed_tokens": 64, "prefix_caching": False}, "gpu_computed_tokens"),
+    ({"gpu_computed_tokens": 4353}, "gpu_computed_tokens"),
+])
+def test_prepare_check_refuses_with_the_validating_readers_error(change: dict[str, Any], where: str) -> None:
+    """prepare_check reads chunk_states with the kernel's fast reader; what it
+    refuses, and the words, are the validating reader's (expand_chunk_states)."""
+    unchecked = CheckScenario.model_validate({**S6, **change})
+    with pytest.raises(InputError, match=where) as want:
+        expand_chunk_states(unchecked, "bad")
+    with pytest.raises(InputError) as got:
+        prepare_check({**S6, **change}, "bad")
+    assert str(got.value) == str(want.value)
+
+
+@SETTINGS
+@given(st.integers(0, 2**20), st.integers(0, 2**30))
+def test_the_prepared_table_is_the_validating_readers(seed: int, i: int) -> None:
+    """The table prepare_check builds while validating gives the outcomes of the
+    validated case (every logic, and an expectation of another logic)."""
+    data = scenario_at(seed, i).check_data(("old", "new"))
+    data["expect"] = {"latest": {"crash": "none"}}
+    sc, table = prepare_check(data, "p")
+    assert table is not None
+    assert sorted((g, j) for g, j, _ in sc.case("p").states) == sorted(expand_chunk_states(sc, "p"))
+    assert evaluate(sc, "p", table) == evaluate(sc, "p")
+    for logic in ("old", "new", "latest"):
+        one = sc.model_copy(update={"window_logic": logic})
+        assert scenario_outcomes(one, "p", table) == scenario_outcomes(one, "p")
+    # a form only the validating reader reads ("00" names group 0): no table, same outcomes
+    if data["chunk_states"].get("0"):
+        data["chunk_states"] = {"00" if k == "0" else k: v for k, v in data["chunk_states"].items()}
+        sc2, table2 = prepare_check(data, "p")
+        assert table2 is None
+        assert evaluate(sc2, "p") == evaluate(sc, "p", table)
 
 
 def test_layouts_are_cached() -> None:
