@@ -386,9 +386,11 @@ def add_calibrate_parser(sub: Any) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.from_run is not None:
         return _cmd_calibrate_run(args)
-    for option in ("scenario", "trace", "metrics"):
-        if getattr(args, option) is not None:
-            raise InputError("argument", f"--{option}", "only with --from-run", "--from-run RESULTS")
+    given = [f"--{o}" for o in ("scenario", "trace", "metrics") if getattr(args, o) is not None]
+    given += ["--set"] * bool(args.overrides) + ["--overwrite"] * args.overwrite
+    given += ["--fit"] * (args.fit != ",".join(DEFAULT_FIT))
+    if given:
+        raise InputError("argument", given[0], "only with --from-run", "--from-run RESULTS")
     try:
         from sim.engine import copypath  # noqa: PLC0415 -- torch is an optional extra
     except ImportError as exc:  # torch is an optional extra

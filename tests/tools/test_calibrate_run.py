@@ -250,3 +250,23 @@ def test_the_documented_example_is_a_run_of_its_trace():
     requests, index = match_run(run, list(spec.requests()), "trace.jsonl")
     assert len(requests) == len(run.input_lens) == 16 and sorted(index) == list(range(16))
     assert set(read_metrics(d / "metrics.prom")) == {"h2d", "d2h"}
+
+
+def test_a_trace_given_by_trace_that_is_not_the_runs_is_one_line(world: dict[str, Any], tmp_path: Path):
+    other = tmp_path / "other.jsonl"
+    write_trace(other, n=20, seed=9)
+    code, err, profile = _bad(world, tmp_path, extra=("--trace", str(other)))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "results.json:input_lens: 64 requests, but the trace" in err and "other.jsonl has 20" in err
+    assert not profile.exists()
+
+
+def test_failed_requests_are_left_out_of_the_replay(world: dict[str, Any], tmp_path: Path):
+    result = _edit(_edit(world["result"], "errors", 4, "ClientTimeout"), "output_lens", 4, 0)
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    run = read_bench_run(tmp_path / "r.json")
+    requests, index = match_run(run, list(load_run(world["dir"] / "scenario.toml").requests()), "t")
+    assert len(requests) == 63 and 4 not in index
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    # the run's clock: arrivals are the send times, relative to the first
+    assert requests[0].arrival_s == 0.0
