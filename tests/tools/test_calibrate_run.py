@@ -129,8 +129,10 @@ def test_a_scenario_can_name_the_fitted_profile(world: dict[str, Any]):
     assert spec.step_cost.flops_per_s == pytest.approx(GPU_PROFILES["h100"].dense_bf16_flops * hw["mfu"])
     assert spec.step_cost.host.step_s == hw["host_step_s"]
     assert spec.h2d.bandwidth_bytes_per_s == hw["h2d_bandwidth"]
-    # the resolved scenario keeps the fitted efficiencies
+    # the resolved scenario keeps the fitted efficiencies; kvsim validate shows them
     assert f"mfu = {hw['mfu']!r}" in spec.resolved_toml()
+    code, out, _ = run_cli(["validate", str(d / "fitted.toml")])
+    assert code == 0 and f"mfu {hw['mfu']:.3g}, mbu {hw['mbu']:.3g}" in out
 
 
 def _bad(world: dict[str, Any], tmp_path: Path, *, result: Any = None, prom: str | None = None,
