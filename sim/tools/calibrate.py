@@ -784,11 +784,14 @@ def calibrate_from_run(spec: RunSpec, run: BenchRun, metrics: dict[str, OffloadT
 
     Raises:
         InputError: the scenario's step model is not the roofline (``costs.step =
-            "auto"``), or the run is not its trace's.
+            "auto"``), its decisions are not kvsim's model's, or the run is not its trace's.
     """
     if not isinstance(spec.step_cost, RooflineStepModel):
         raise InputError(str(spec.source), "costs.step", "the fit needs the roofline step model",
                          '"auto" (with the model\'s [shape])')
+    if spec.scenario.decisions != "model":
+        raise InputError(str(spec.source), "decisions", f"{spec.scenario.decisions!r}: the fit replays the "
+                         "run some ten times with kvsim's own scheduler", '"model"')
     trace_name = str(spec.workload_path) if spec.workload_path is not None else spec.scenario.workload.kind
     requests, index = match_run(run, list(spec.requests()), trace_name)
     cfg = spec.engine_config()

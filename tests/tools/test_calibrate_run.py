@@ -272,3 +272,15 @@ def test_failed_requests_are_left_out_of_the_replay(world: dict[str, Any], tmp_p
     assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
     # the run's clock: arrivals are the send times, relative to the first
     assert requests[0].arrival_s == 0.0
+
+
+@pytest.mark.parametrize(("setting", "key"), [
+    ('costs.step={overhead_s=0.001}', "costs.step"),
+    ('decisions="vllm"', "decisions"),
+])
+def test_a_scenario_the_fit_cannot_replay_is_one_line(world: dict[str, Any], tmp_path: Path, setting: str,
+                                                      key: str):
+    code, err, profile = _bad(world, tmp_path, extra=("--set", setting))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"scenario.toml:{key}:" in err or f"--set:{key}" in err, err
+    assert not profile.exists()
