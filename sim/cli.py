@@ -53,6 +53,7 @@ from sim.io.traces import (
 )
 from sim.io.validate import validate_file
 from sim.io.workload import request_total
+from sim.tools.calibrate import DEFAULT_FIT, FIT_KEYS
 from sim.tools.compare import compare_runs, compare_table
 from sim.tools.export import FORMATS as EXPORT_FORMATS
 from sim.tools.export import export_folder
@@ -351,7 +352,45 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return code
 
 
+def add_calibrate_parser(sub: Any) -> None:
+    """``kvsim calibrate``: the torch copy path's bandwidth, or ``--from-run`` a real run's fit."""
+    p = sub.add_parser("calibrate", help="measure copy bandwidth of the torch copy path (needs torch); "
+                                         "with --from-run, fit the step and link coefficients to a real "
+                                         "vLLM run (docs/costs.md)")
+    p.add_argument("--from-run", metavar="RESULTS",
+                   help="the JSON of vllm bench serve --save-result --save-detailed: fit mfu, mbu and the "
+                        "host times to it (no torch needed)")
+    p.add_argument("--scenario", metavar="FILE",
+                   help="--from-run: run/1 scenario of what was served (model, hardware profile, scheduler, "
+                        "tensor parallelism); its workload is the trace replayed")
+    p.add_argument("--trace", metavar="NAME|PATH",
+                   help="--from-run: the trace the benchmark replayed, instead of the scenario's workload")
+    p.add_argument("--metrics", metavar="FILE",
+                   help="--from-run: vLLM's Prometheus /metrics text after the run: also fit the H2D and "
+                        "D2H bandwidths from the offloading counters")
+    p.add_argument("--fit", metavar="KEYS", default=",".join(DEFAULT_FIT),
+                   help=f"--from-run: the coefficients fitted, of {','.join(FIT_KEYS)} (the others keep "
+                        "the profile's; default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="--from-run: replace an existing --out")
+    add_override_options(p, "a key of --scenario", seed=False)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to copy")
+    p.add_argument("--chunk-bytes", metavar="LIST", help="bytes per chunk, e.g. 64KiB,1MiB,8MiB")
+    p.add_argument("--batch", metavar="LIST", help="chunks per job, e.g. 1,16,64,256")
+    p.add_argument("--repeats", type=int, default=5, metavar="N",
+                   help="timed runs per figure at most (median; at least 3 once 0.2 s is spent)")
+    p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE; "
+                   "--from-run: the fitted hardware/1 profile (default: RESULTS with .hardware.toml)")
+    p.set_defaults(func=_cmd_calibrate)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        return _cmd_calibrate_run(args)
+    given = [f"--{o}" for o in ("scenario", "trace", "metrics") if getattr(args, o) is not None]
+    given += ["--set"] * bool(args.overrides) + ["--overwrite"] * args.overwrite
+    given += ["--fit"] * (args.fit != ",".join(DEFAULT_FIT))
+    if given:
+        raise InputError("argument", given[0], "only with --from-run", "--from-run RESULTS")
     try:
         from sim.engine import copypath  # noqa: PLC0415 -- torch is an optional extra
     except ImportError as exc:  # torch is an optional extra
@@ -388,6 +427,61 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise InputError("argument", "--out", f"{args.out!r}: {exc.strerror}",
                              "a writable file path") from None
         print(f"kvsim: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _trace_overrides(text: str) -> list[tuple[str, str]]:
+    """``--trace NAME|PATH`` as ``--set`` overrides of the scenario's workload: a file by
+    its absolute path (any trace format), else a published trace by name."""
+    path = Path(text)
+    if path.is_file():
+        return [("--trace", "workload.kind=trace"), ("--trace", "workload.trace=null"),
+                ("--trace", f"workload.path={json.dumps(str(path.resolve()))}"),
+                ("--trace", "workload.sha256=null")]
+    return [("--trace", "workload.kind=mooncake"), ("--trace", "workload.path=null"),
+            ("--trace", f"workload.trace={json.dumps(text)}"), ("--trace", "workload.sha256=null")]
+
+
+def _cmd_calibrate_run(args: argparse.Namespace) -> int:
+    """``calibrate --from-run``: the fit's table on stdout, the profile written to --out."""
+    from sim.tools import calibrate as cal  # noqa: PLC0415 -- the module's functions by their short names
+
+    if args.scenario is None:
+        raise InputError("argument", "--scenario", "missing (--from-run needs it)",
+                         "the run/1 scenario of the served model, hardware and scheduler")
+    keys = [k.strip() for k in args.fit.split(",") if k.strip()]
+    if not keys or any(k not in cal.FIT_KEYS for k in keys) or len(set(keys)) != len(keys):
+        raise InputError("argument", "--fit", f"{args.fit!r}", f"distinct keys of {','.join(cal.FIT_KEYS)}")
+    results = Path(args.from_run)
+    out = Path(args.out) if args.out else \
+        results.with_name(results.name.removesuffix(".json") + ".hardware.toml")
+    if out.exists() and not args.overwrite:   # before any work
+        raise InputError("argument", "--out", f"{out} exists", "another path, or --overwrite")
+    if out.is_dir() or not out.parent.is_dir():
+        raise InputError("argument", "--out", f"{out}: {'is a folder' if out.is_dir() else 'no such folder'}",
+                         "a file path in an existing folder")
+    run = cal.read_bench_run(results)
+    metrics = cal.read_metrics(Path(args.metrics)) if args.metrics else None
+    overrides = list(args.overrides or []) + (_trace_overrides(args.trace) if args.trace else [])
+    spec = load_run(Path(args.scenario), overrides)
+    fit = cal.calibrate_from_run(spec, run, metrics, keys)
+    print(cal.report_table(fit))
+    command = ("kvsim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"]
+               else "kvsim calibrate --from-run")
+    text = cal.hardware_profile(spec, fit, out.name.removesuffix(".toml"), str(results), command)
+    try:
+        write_text_atomic(out, text)
+    except OSError as exc:
+        raise InputError("argument", "--out", f"{out}: {exc.strerror or exc}",
+                         "a writable file path") from None
+    print(f"kvsim: wrote {out} (tolerance on generated runs: {cal.tolerance_line()})", file=sys.stderr)
+    for d, lf in fit.links.items():
+        if lf.bandwidth_bytes_per_s is None:
+            why = ("no bytes counted" if lf.totals.bytes == 0 else
+                   "the fixed costs alone reach the measured transfer time")
+            print(f"kvsim: note: {d}: {why}; the profile's bandwidth is kept", file=sys.stderr)
+    if not fit.steps.converged:
+        print("kvsim: warning: the fit did not converge; the profile holds its last round", file=sys.stderr)
     return 0
 
 
@@ -780,14 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run/1, model/1, hardware/1, check/1 or sweep/1 files (by their schema key)")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("calibrate", help="measure copy bandwidth of the torch copy path (needs torch)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to copy")
-    p.add_argument("--chunk-bytes", metavar="LIST", help="bytes per chunk, e.g. 64KiB,1MiB,8MiB")
-    p.add_argument("--batch", metavar="LIST", help="chunks per job, e.g. 1,16,64,256")
-    p.add_argument("--repeats", type=int, default=5, metavar="N",
-                   help="timed runs per figure at most (median; at least 3 once 0.2 s is spent)")
-    p.add_argument("--out", metavar="FILE", help="also write the [hardware] TOML snippet to FILE")
-    p.set_defaults(func=_cmd_calibrate)
+    add_calibrate_parser(sub)  # kvsim calibrate [--from-run RESULTS --scenario FILE]
 
     add_trace_parser(sub)  # kvsim trace stats | fetch | convert
 

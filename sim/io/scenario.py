@@ -31,7 +31,8 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s,
                           h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
-                          host_step_s, host_per_request_s
+                          host_step_s, host_per_request_s, mfu, mbu (the roofline's
+                          efficiencies, default 0.5 and 0.8)
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
                           default; docs/tiers.md): device (a storage/1 profile:
@@ -477,6 +478,12 @@ class HardwareFile(Strict):
         default=None, ge=0, le=1, description="engine host time per step (default: the GPU's)")
     host_per_request_s: float | None = Field(
         default=None, ge=0, le=1, description="engine host time per scheduled request (default: the GPU's)")
+    mfu: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's kernels reach "
+        "(default 0.5; kvsim calibrate --from-run fits it)")
+    mbu: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of peak HBM bandwidth the weight and KV reads reach "
+        "(default 0.8; kvsim calibrate --from-run fits it)")
 
 
 class HardwareSection(Strict):
@@ -498,6 +505,8 @@ class HardwareSection(Strict):
     d2h_duplex_factor: float | None = Field(default=None, gt=0, le=1)
     host_step_s: float | None = Field(default=None, ge=0, le=1)
     host_per_request_s: float | None = Field(default=None, ge=0, le=1)
+    mfu: float | None = Field(default=None, gt=0, le=1)
+    mbu: float | None = Field(default=None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _pool(self) -> HardwareSection:
@@ -1129,6 +1138,8 @@ class ResolvedHardware:
     d2h_duplex_factor: float = 1.0
     host_step_s: float = 0.0
     host_per_request_s: float = 0.0
+    mfu: float = DEFAULT_MFU
+    mbu: float = DEFAULT_MBU
 
 
 def _available(folder: str) -> str:
@@ -1332,7 +1343,8 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         h2d_duplex_factor=pick(sec.h2d_duplex_factor, pick(hw.h2d_duplex_factor, g.h2d.duplex_factor)),
         d2h_duplex_factor=pick(sec.d2h_duplex_factor, pick(hw.d2h_duplex_factor, g.d2h.duplex_factor)),
         host_step_s=pick(sec.host_step_s, pick(hw.host_step_s, g.host.step_s)),
-        host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)))
+        host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)),
+        mfu=pick(sec.mfu, pick(hw.mfu, DEFAULT_MFU)), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
 
 
 def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
@@ -1537,6 +1549,9 @@ class RunSpec:
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
                     "d2h_duplex_factor", "host_step_s", "host_per_request_s"):
             hardware[key] = getattr(hw, key)
+        for key, default in (("mfu", DEFAULT_MFU), ("mbu", DEFAULT_MBU)):
+            if getattr(hw, key) != default:   # the defaults left out: earlier resolved scenarios unchanged
+                hardware[key] = getattr(hw, key)
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
         if sc.tiers:
@@ -1625,8 +1640,7 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
     host = HostOverhead(hw.host_step_s, hw.host_per_request_s)
     return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
-                               tensor_parallel=sc.costs.tensor_parallel, mfu=DEFAULT_MFU, mbu=DEFAULT_MBU,
-                               host=host)
+                               tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu, host=host)
 
 
 def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:

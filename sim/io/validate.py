@@ -39,8 +39,9 @@ def _describe_model(path: Path) -> str:
 
 def _describe_hardware(path: Path) -> str:
     hw = load_hardware_file(path)
+    fitted = "".join(f", {k} {getattr(hw, k):.3g}" for k in ("mfu", "mbu") if getattr(hw, k) is not None)
     return (f"hardware/1: {hw.name} (gpu {hw.gpu}), HBM {hw.hbm_bytes / 1e9:g} GB, "
-            f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s")
+            f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s{fitted}")
 
 
 def _describe_storage(path: Path) -> str:
