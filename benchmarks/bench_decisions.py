@@ -12,8 +12,8 @@ the imports (no interpreter start-up), best of ``--repeat`` runs:
     a null stream (read, parse and validate, decide, JSON out), the same with
     the garbage collector off (a what-if: the batch's surviving objects
     trigger full collections of the whole heap), and its parts: ``json.loads``,
-    ``parse_check`` (and pydantic's share of it), ``evaluate`` (the decision
-    half), ``json.dumps``;
+    ``prepare_check`` (validation and the kernel's table; pydantic's share
+    of it), ``evaluate`` (the decision half), ``json.dumps``;
 (b) the kernel alone (``sim.model.decision.decide`` on the scenarios' cases,
     layouts cached);
 (c) the reference path (``sim.io.check.reference_check``: real CPU chunk
@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from sim.cli import main as cli_main
-from sim.io.check import CheckCase, CheckScenario, evaluate, load_check_file, parse_check, reference_check
+from sim.io.check import (
+    CheckCase,
+    CheckScenario,
+    evaluate,
+    load_check_file,
+    parse_check,
+    prepare_check,
+    reference_check,
+)
 from sim.model.decision import decide, decision_layout
 from sim.tools.fuzz import scenario_at
 
@@ -134,9 +142,9 @@ def main() -> None:
 
         # the outputs agree before anything is timed
         _, items = load_check_file(path)
-        scs = [parse_check(item, f"{path}[{i}]") for i, item in enumerate(items)]
-        cases = [sc.case() for sc in scs]
-        outs = [evaluate(sc, "bench")[0] for sc in scs]
+        prepared = [prepare_check(item, f"{path}[{i}]") for i, item in enumerate(items)]
+        cases = [sc.case() for sc, _ in prepared]
+        outs = [evaluate(sc, "bench", table)[0] for sc, table in prepared]
         for case, out in list(zip(cases, outs, strict=True))[: args.reference]:
             assert out == {lg: reference_check(case, lg) for lg in BOTH}, case
 
@@ -148,12 +156,12 @@ def main() -> None:
         finally:
             gc.enable()
         line("  json.loads (the file)", decisions, best_of(args.repeat, lambda: json.loads(text)))
-        line("  parse_check (validation)", decisions,
-             best_of(args.repeat, lambda: [parse_check(d, "bench") for d in items]))
+        line("  prepare_check (validation, and the kernel's table)", decisions,
+             best_of(args.repeat, lambda: [prepare_check(d, "bench") for d in items]))
         line("    of which CheckScenario.model_validate", decisions,
              best_of(args.repeat, lambda: [CheckScenario.model_validate(d) for d in items]))
-        line("  evaluate (the decisions)", decisions,
-             best_of(args.repeat, lambda: [evaluate(sc, "bench") for sc in scs]))
+        line("  evaluate (the decisions, from the prepared tables)", decisions,
+             best_of(args.repeat, lambda: [evaluate(sc, "bench", table) for sc, table in prepared]))
         line("  json.dumps (the output)", decisions, best_of(args.repeat, lambda: json.dumps(outs)))
 
     print("(b) the kernel alone:")
