@@ -90,7 +90,16 @@ from typing import Any, Literal
 import simpy
 
 from sim.engine.links import LATE, At, CopyHooks, Link, Proc, TierLink, TierLinkModel, Transfer
-from sim.engine.metrics import EventRow, OccupancyRow, Recorder, RequestRow, RunSummary, StepRow, TransferRow
+from sim.engine.metrics import (
+    EventRow,
+    OccupancyRow,
+    Recorder,
+    RequestRow,
+    RunSummary,
+    StepRow,
+    TierOccupancyRow,
+    TransferRow,
+)
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel
 from sim.model.future import FutureUses
@@ -489,11 +498,16 @@ class Engine:
         return len(done)
 
     def _tier_sample(self, now: float) -> None:
-        """Per-tier occupancy (chunks held), for the summary's time-weighted figures."""
-        assert self.tiered is not None
+        """Per-tier occupancy (chunks held): a row of the ``tiers`` table, and the
+        samples of the summary's time-weighted figures."""
+        t = self.tiered
+        assert t is not None
         for i, occ in enumerate(self.tier_occupancy):
-            ready, pending, loading, _ = self.tiered.tier_state(i)
-            occ.append((now, ready + pending + loading))
+            ready, pending, loading, _ = t.tier_state(i)
+            used = ready + pending + loading
+            occ.append((now, used))
+            self.rec.add(TierOccupancyRow(now, t.counters[i].label, ready, pending, loading, used,
+                                          t.specs[i].capacity_chunks))
 
     def _tier_figures(self) -> dict[str, Any]:
         """The summary's ``tiers`` section (vLLM's tiering metric names, per tier label)."""

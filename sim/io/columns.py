@@ -32,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from sim.engine.metrics import COLUMN_DOCS, TABLES
+from sim.engine.metrics import COLUMN_DOCS, OPTIONAL_TABLES, TABLES
 from sim.model.connector import CrashKind, DeferReason, Hazard
 
 __all__ = [
@@ -84,7 +84,8 @@ SUMMARY_KEYS: dict[str, Key] = {
                                       "when it stopped", column=False),
     "progress.sim_time_s": Key("float", "s", "failed or interrupted runs: simulated time reached (at the "
                                "last progress report)", column=False),
-    **{f"rows.{t}": Key("int", "rows", f"failed or interrupted runs: rows written to {t}.parquet",
+    **{f"rows.{t}": Key("int", "rows", f"failed or interrupted runs: rows written to {t}.parquet"
+                        + (" (only with secondary tiers)" if t in OPTIONAL_TABLES else ""),
                         column=False) for t in TABLES},
     "end": Key("str", "-", "how the simulation ended: ok | stopped_on_crash (on_crash = \"stop\") | "
                "time_limit (output.max_sim_time_s)"),
@@ -372,8 +373,15 @@ def summary_arrays(flats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # -- docs/columns.md -----------------------------------------------------------------------------
 
-_TYPE_OF_TABLE = {"str": "str", "str?": "str (null)", "int": "int", "float": "float",
+_TYPE_OF_TABLE = {"str": "str", "str?": "str (null)", "int": "int", "int?": "int (null)", "float": "float",
                   "float?": "float (null)", "bool": "bool"}
+
+#: what a run must have for an optional table's file to exist
+_OPTIONAL_NOTE = {
+    "tiers": "Only in a run with secondary tiers (`[[tiers]]`, [docs/tiers.md](tiers.md)): no "
+             "`tiers.parquet` otherwise. One row per secondary tier at every occupancy sample (the "
+             "`occupancy` table's times).",
+}
 
 _HEAD = """\
 # Data dictionary: every column, with unit and meaning
@@ -395,7 +403,8 @@ where a value may be missing (Parquet null, pandas NaN/None, empty in CSV).
 #: (what, how in Python or on the command line, one row per): the first table of docs/columns.md
 _READING = (
     ("a run folder", "`sim.load_results(path)`: `.requests`, `.steps`, `.transfers`, `.occupancy`, "
-     "`.events` (DataFrames), `.summary` (dict)", "the tables below"),
+     "`.events`, `.tiers` (DataFrames; `.tiers` is empty without secondary tiers), `.summary` (dict)",
+     "the tables below"),
     ("requests of many runs", "`sim.load_runs([path, ...])`: one DataFrame, the "
      "[run columns](#run-and-point-columns), the [resolved configuration](#resolved-configuration), "
      "then the `requests` columns", "request"),
@@ -425,6 +434,8 @@ def render() -> str:
     lines.append("## Run tables (`<run>/<table>.parquet`)\n")
     for table, cols in TABLES.items():
         lines.append(f"### `{table}`\n")
+        if table in OPTIONAL_TABLES:
+            lines.append(_OPTIONAL_NOTE[table] + "\n")
         lines.append(_row("column", "type", "unit", "meaning"))
         lines.append(_row("---", "---", "---", "---"))
         for name, kind in cols:
