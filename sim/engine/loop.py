@@ -515,9 +515,11 @@ class Engine:
         assert t is not None
         size = self.cfg.tier_chunk_bytes
         secondary: list[dict[str, Any]] = []
+        prompt = max(1, self.sched.stats.prompt_tokens)
         out: dict[str, Any] = {
             "primary": {"label": PRIMARY_LABEL, "chunk_queries": t.primary_queries,
-                        "chunk_hits": t.primary_hits},
+                        "chunk_hits": t.primary_hits, "resident_hit_tokens": t.resident_hit_tokens,
+                        "resident_hit_rate": t.resident_hit_tokens / prompt},
             "promotion_allocation_failures": t.promotion_allocation_failures,
             "secondary": secondary,
         }
@@ -533,6 +535,8 @@ class Engine:
                 "read_bytes": c.read_chunks * size, "read_time": link.read_s,
                 "write_bytes": c.write_chunks * size, "write_time": link.write_s,
                 "promoted_chunks_loaded": c.promoted_chunks_loaded,
+                "promoted_hit_tokens": c.promoted_hit_tokens,
+                "promoted_hit_rate": c.promoted_hit_tokens / prompt,
                 "evictions": c.evictions, "store_rejections": c.store_rejections,
                 "occupancy_chunks": {"mean": area / span if span > 0 else (occ[-1][1] if occ else 0),
                                      "peak": max((n for _, n in occ), default=0),

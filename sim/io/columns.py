@@ -177,13 +177,22 @@ SUMMARY_KEYS: dict[str, Key] = {
                                        column=False),
     "tiers.primary.chunk_hits": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_chunk_hits of "
                                     "the CPU tier", column=False),
+    "tiers.primary.resident_hit_tokens": Key("float", "tokens", "[[tiers]] only: of tokens.cpu_hit, the "
+                                             "share served by chunks already in CPU memory (each hit split "
+                                             "over its load's chunks; the rest is the tiers' "
+                                             "promoted_hit_tokens)", column=False),
+    "tiers.primary.resident_hit_rate": Key("float", "share", "[[tiers]] only: resident_hit_tokens / prompt "
+                                           "tokens (cpu_hit_rate = this + every tier's promoted_hit_rate)",
+                                           column=False),
     "tiers.promotion_allocation_failures": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_"
                                                "promotion_allocation_failures (no CPU slot for a promotion)",
                                                column=False),
     "tiers.secondary": Key("list", "-", "[[tiers]] only: per secondary tier, its label, kind, "
                            "capacity_chunks, policy, vLLM's chunk_queries, chunk_hits, read_bytes, "
                            "read_time, write_bytes, write_time, promotion_jobs, cascade_jobs, and "
-                           "kvsim's promoted_chunks_loaded, evictions, store_rejections, "
+                           "kvsim's promoted_chunks_loaded, promoted_hit_tokens and promoted_hit_rate "
+                           "(its share of the CPU hit tokens, and that over prompt tokens), evictions, "
+                           "store_rejections, "
                            "occupancy_chunks (mean, peak, end), utilisation "
                            "(docs/tiers.md)", column=False),
     "workload.bad_lines_skipped": Key("int?", "count", "workload.skip_bad: bad trace lines skipped (null "

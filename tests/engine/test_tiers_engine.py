@@ -70,7 +70,12 @@ def test_a_promotion_defers_the_lookup_and_the_gpu_load_reads_the_cpu_tier_after
     # asked of the tier: A by r0 and C by r1 (misses: a prefix lookup stops there), A and B by r2
     assert (t["chunk_queries"], t["chunk_hits"]) == (4, 2)
     # of the CPU tier: the same four, all misses (r2's later hits were resolved already, as in vLLM)
-    assert figs["tiers"]["primary"] == {"label": "0:primary", "chunk_queries": 4, "chunk_hits": 0}
+    primary = figs["tiers"]["primary"]
+    assert {k: primary[k] for k in ("label", "chunk_queries", "chunk_hits")} == {
+        "label": "0:primary", "chunk_queries": 4, "chunk_hits": 0}
+    # r2's 32 hit tokens came through the promotion: all the tier's, none resident
+    assert (t["promoted_hit_tokens"], primary["resident_hit_tokens"]) == (32.0, 0.0)
+    assert t["promoted_hit_rate"] + primary["resident_hit_rate"] == pytest.approx(figs["cpu_hit_rate"])
 
 
 def test_the_tiers_table_samples_each_tier_with_the_occupancy_table() -> None:
