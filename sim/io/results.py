@@ -460,7 +460,8 @@ class RunResults:
         path: the folder.
         requests, steps, transfers, occupancy, events, tiers: the tables as
             DataFrames (columns as in :data:`sim.engine.metrics.TABLES`); ``tiers``
-            is empty for a run without secondary tiers (it has no file).
+            is empty for a run without secondary tiers (it has no file), and
+            None in a RunResults built by hand without it.
         summary: ``summary.json``.
         scenario: ``scenario.toml``, parsed.
         run_info: ``run_info.json``.
@@ -472,10 +473,11 @@ class RunResults:
     transfers: Any
     occupancy: Any
     events: Any
-    tiers: Any
     summary: dict[str, Any]
     scenario: dict[str, Any]
     run_info: dict[str, Any]
+    #: last and optional, so that a RunResults built by hand without it still works
+    tiers: Any = None
 
 
 def load_results(path: str | Path) -> RunResults:
