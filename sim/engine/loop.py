@@ -90,7 +90,16 @@ from typing import Any, Literal
 import simpy
 
 from sim.engine.links import LATE, At, CopyHooks, Link, Proc, TierLink, TierLinkModel, Transfer
-from sim.engine.metrics import EventRow, OccupancyRow, Recorder, RequestRow, RunSummary, StepRow, TransferRow
+from sim.engine.metrics import (
+    EventRow,
+    OccupancyRow,
+    Recorder,
+    RequestRow,
+    RunSummary,
+    StepRow,
+    TierOccupancyRow,
+    TransferRow,
+)
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel
 from sim.model.future import FutureUses
@@ -489,11 +498,16 @@ class Engine:
         return len(done)
 
     def _tier_sample(self, now: float) -> None:
-        """Per-tier occupancy (chunks held), for the summary's time-weighted figures."""
-        assert self.tiered is not None
+        """Per-tier occupancy (chunks held): a row of the ``tiers`` table, and the
+        samples of the summary's time-weighted figures."""
+        t = self.tiered
+        assert t is not None
         for i, occ in enumerate(self.tier_occupancy):
-            ready, pending, loading, _ = self.tiered.tier_state(i)
-            occ.append((now, ready + pending + loading))
+            ready, pending, loading, _ = t.tier_state(i)
+            used = ready + pending + loading
+            occ.append((now, used))
+            self.rec.add(TierOccupancyRow(now, t.counters[i].label, ready, pending, loading, used,
+                                          t.specs[i].capacity_chunks))
 
     def _tier_figures(self) -> dict[str, Any]:
         """The summary's ``tiers`` section (vLLM's tiering metric names, per tier label)."""
@@ -501,9 +515,11 @@ class Engine:
         assert t is not None
         size = self.cfg.tier_chunk_bytes
         secondary: list[dict[str, Any]] = []
+        prompt = max(1, self.sched.stats.prompt_tokens)
         out: dict[str, Any] = {
             "primary": {"label": PRIMARY_LABEL, "chunk_queries": t.primary_queries,
-                        "chunk_hits": t.primary_hits},
+                        "chunk_hits": t.primary_hits, "resident_hit_tokens": t.resident_hit_tokens,
+                        "resident_hit_rate": t.resident_hit_tokens / prompt},
             "promotion_allocation_failures": t.promotion_allocation_failures,
             "secondary": secondary,
         }
@@ -519,6 +535,8 @@ class Engine:
                 "read_bytes": c.read_chunks * size, "read_time": link.read_s,
                 "write_bytes": c.write_chunks * size, "write_time": link.write_s,
                 "promoted_chunks_loaded": c.promoted_chunks_loaded,
+                "promoted_hit_tokens": c.promoted_hit_tokens,
+                "promoted_hit_rate": c.promoted_hit_tokens / prompt,
                 "evictions": c.evictions, "store_rejections": c.store_rejections,
                 "occupancy_chunks": {"mean": area / span if span > 0 else (occ[-1][1] if occ else 0),
                                      "peak": max((n for _, n in occ), default=0),

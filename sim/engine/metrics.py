@@ -20,7 +20,9 @@ What it models
     * ``occupancy``: sample of CPU chunk states and GPU blocks, taken at the
       first step boundary at or after every ``occupancy_interval_s``;
     * ``events``: modelled crashes, hazards, rejections, deadlock breaks,
-      integrity violations.
+      integrity violations;
+    * ``tiers`` (only with secondary tiers, :data:`OPTIONAL_TABLES`): per
+      secondary tier, its chunk states at every occupancy sample.
 
     :class:`RunSummary` accumulates the figures of ``summary.json`` on the fly
     (counts, sums, and the TTFT / TPOT samples for percentiles).
@@ -42,6 +44,7 @@ from sim.model.scheduler import SchedulerStats
 
 __all__ = [
     "COLUMN_DOCS",
+    "OPTIONAL_TABLES",
     "ROW_TYPES",
     "TABLES",
     "EventRow",
@@ -53,6 +56,7 @@ __all__ = [
     "RunSummary",
     "Sink",
     "StepRow",
+    "TierOccupancyRow",
     "TransferRow",
     "percentile",
 ]
@@ -166,7 +170,22 @@ class EventRow(NamedTuple):
     message: str
 
 
-Row = RequestRow | StepRow | TransferRow | OccupancyRow | EventRow
+class TierOccupancyRow(NamedTuple):
+    """One sample of one secondary tier's chunk states (runs with ``[[tiers]]`` only).
+
+    Units and meanings: ``COLUMN_DOCS["tiers"]``.
+    """
+
+    t_s: float
+    tier: str
+    chunks_ready: int
+    chunks_pending_write: int
+    chunks_reading: int
+    chunks_used: int
+    capacity_chunks: int | None
+
+
+Row = RequestRow | StepRow | TransferRow | OccupancyRow | EventRow | TierOccupancyRow
 
 #: table -> row type, in the order tables are written
 ROW_TYPES: dict[str, type[Row]] = {
@@ -175,10 +194,16 @@ ROW_TYPES: dict[str, type[Row]] = {
     "transfers": TransferRow,
     "occupancy": OccupancyRow,
     "events": EventRow,
+    "tiers": TierOccupancyRow,
 }
 
+#: tables written only when a run has rows for them (no file, and no column anywhere,
+#: otherwise): ``tiers`` exists only with secondary tiers, so a run without them writes
+#: exactly the files it wrote before tiers existed
+OPTIONAL_TABLES: frozenset[str] = frozenset({"tiers"})
+
 #: annotation -> column type ("?": nullable)
-_COLUMN_TYPES = {"str": "str", "str | None": "str?", "int": "int", "float": "float",
+_COLUMN_TYPES = {"str": "str", "str | None": "str?", "int": "int", "int | None": "int?", "float": "float",
                  "float | None": "float?", "bool": "bool"}
 
 
@@ -190,7 +215,7 @@ def _schema(row: type[Row]) -> tuple[tuple[str, str], ...]:
                  for name in row._fields)
 
 
-#: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "float", "float?", "bool"
+#: table -> ((column, type), ...); types: "str", "str?" (nullable), "int", "int?", "float", "float?", "bool"
 TABLES: dict[str, tuple[tuple[str, str], ...]] = {t: _schema(row) for t, row in ROW_TYPES.items()}
 _TABLE_OF: dict[type, str] = {row: t for t, row in ROW_TYPES.items()}
 
@@ -286,6 +311,16 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
         "group": ("-", "the KV cache group concerned, -1 when not applicable"),
         "chunk": ("-", "the chunk index concerned, -1 when not applicable"),
         "message": ("-", "one line for a human"),
+    },
+    "tiers": {
+        "t_s": ("s", "sample time: the occupancy table's (one row per secondary tier and sample)"),
+        "tier": ("-", "the tier's vLLM label, <index>:<kind> (1:nvme, 2:fs, ...); the CPU tier (0:primary) "
+                      "is the occupancy table's cpu_* columns"),
+        "chunks_ready": ("chunks", "chunks held and readable (a promotion may read them)"),
+        "chunks_pending_write": ("chunks", "chunk slots whose cascade write is in flight"),
+        "chunks_reading": ("chunks", "chunks being promoted to the CPU tier (pinned)"),
+        "chunks_used": ("chunks", "chunk slots in use: ready + pending_write + reading"),
+        "capacity_chunks": ("chunks", "the tier's capacity in CPU-sized chunk slots; null when unbounded"),
     },
 }
 

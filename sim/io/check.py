@@ -27,7 +27,20 @@ State construction (the reference path; the kernel reads the same states)
       counts as missing if a load reaches it (vLLM's CPU manager never answers
       RETRY);
     * local hit: the blocks each kind retains at ``gpu_computed_tokens`` are
-      cached, hashed GPU blocks found by the GPU prefix cache.
+      cached, hashed GPU blocks found by the GPU prefix cache;
+    * ``[[tiers]]`` (secondary tiers behind the CPU cache, vLLM 0.33's
+      tiering, :class:`~sim.model.tiers.TieredCache`): each entry's
+      ``chunk_states`` says what that tier holds, ``present`` (readable:
+      ``prepare_store`` + ``complete_store`` in the tier) or ``pending`` (its
+      cascade write in flight: ``prepare_store`` only, a lookup passes over
+      it); the CPU states are built without cascading them. A lookup of a
+      chunk the CPU cache lacks and a tier holds starts a promotion and
+      answers HIT_PENDING (the request defers), as the model does; the
+      outcome then lists ``promotions`` (``[tier, group, chunk]``, tier 1 the
+      first ``[[tiers]]`` entry, vLLM's label index). The CPU cache must have
+      room for every chunk a lookup may promote, so that no promotion evicts
+      or fails (``cpu_capacity_chunks`` is checked for it; unset, it is sized
+      so).
     Chunks are stored in (group, chunk) order; one worker; the GPU pool is
     large enough never to run out.
 """
@@ -62,6 +75,7 @@ from sim.model.decision import MISSING, DecisionLayout, decide, decide_codes, de
 from sim.model.gpu_cache import Block, GpuKVCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
 from sim.model.scheduler import ReproducerSnapshot
+from sim.model.tiers import TieredCache, TierSpec
 from sim.model.windows import profile
 
 __all__ = [
@@ -82,6 +96,7 @@ __all__ = [
 ]
 
 ChunkStateName = Literal["present", "pending", "loading", "retry"]
+TierChunkStateName = Literal["present", "pending"]
 Logic = Literal["old", "new", "latest"]
 
 
@@ -107,6 +122,16 @@ class Expectation(Strict):
     block_indices: list[int] | None = None
     crash: Literal["none", "missing_chunk", "chunk_not_ready", "assertion"] | None = None
     hazards: list[Literal["double_load"]] | None = None
+    promotions: list[Annotated[list[int], Field(min_length=3, max_length=3)]] | None = Field(
+        None, description="sorted [tier, group, chunk] triples the lookup promotes (tier 1: the first "
+                          "[[tiers]] entry)")
+
+
+class CheckTier(Strict):
+    """One secondary tier behind the CPU cache (``[[tiers]]``): what it holds."""
+
+    chunk_states: dict[str, dict[str, TierChunkStateName]] = Field(
+        default_factory=dict, description="group -> chunk or range -> present | pending (write in flight)")
 
 
 class CheckScenario(Strict):
@@ -124,6 +149,7 @@ class CheckScenario(Strict):
     cpu_capacity_chunks: Annotated[int, at_most(MAX_CPU_CHUNKS, "chunks", WHY_CPU_CHUNKS)] | None = Field(
         None, gt=0)
     chunk_states: dict[str, dict[str, ChunkStateName]] = Field(default_factory=dict)
+    tiers: list[CheckTier] = Field(default_factory=list, description="secondary tiers, in lookup order")
     expect: dict[Logic, Expectation] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -147,9 +173,11 @@ class CheckScenario(Strict):
     def case(self, source: str = "<check>") -> CheckCase:
         """The plain :class:`CheckCase` of this (validated) scenario; its expectations are dropped."""
         states = expand_chunk_states(self, self.name or source)
+        tier_states = expand_tier_states(self, self.name or source, states)
         return CheckCase(tuple(g.spec() for g in self.groups), self.tokens_per_hash, self.blocks_per_chunk,
                          self.num_tokens, self.gpu_computed_tokens, self.prefix_caching,
-                         tuple(sorted((g, j, st) for (g, j), st in states.items())), self.cpu_capacity_chunks)
+                         tuple(sorted((g, j, st) for (g, j), st in states.items())), self.cpu_capacity_chunks,
+                         len(self.tiers), tier_states)
 
     def logics(self) -> tuple[Logic, ...]:
         return ("old", "new") if self.window_logic == "both" else (self.window_logic,)
@@ -164,7 +192,10 @@ class CheckCase:
 
     ``states`` lists ``(group, chunk, state)`` sorted by group and chunk;
     chunks not listed are missing. ``cpu_capacity_chunks`` None sizes the CPU
-    cache to hold the stated chunks (at least 100).
+    cache to hold the stated chunks (at least 100) and every chunk a tier
+    could promote. ``tiers`` secondary tiers; ``tier_states`` lists
+    ``(tier, group, chunk, state)`` (tier 0: the first secondary tier; state
+    ``present`` or ``pending``), sorted.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -175,6 +206,8 @@ class CheckCase:
     prefix_caching: bool = True
     states: tuple[tuple[int, int, str], ...] = ()
     cpu_capacity_chunks: int | None = None
+    tiers: int = 0
+    tier_states: tuple[tuple[int, int, int, str], ...] = ()
 
     @classmethod
     def from_snapshot(cls, snap: ReproducerSnapshot) -> CheckCase:
@@ -210,12 +243,36 @@ class CheckCase:
             if g >= len(self.groups) or j < 0 or j >= n // self.tpc(g) or (g, j) in seen:
                 return False
             seen.add((g, j))
-        return True
+        tier_seen = set()
+        for t, g, j, st in self.tier_states:
+            if not 0 <= t < self.tiers or g >= len(self.groups) or j < 0 or j >= n // self.tpc(g) \
+                    or (t, g, j) in tier_seen or st not in ("present", "pending"):
+                return False
+            tier_seen.add((t, g, j))
+        cap = self.cpu_capacity_chunks
+        return cap is None or len(seen) + len(self.promotable()) <= cap
+
+    def promotable(self) -> set[tuple[int, int]]:
+        """The chunks the CPU cache lacks and some tier holds readable: what a lookup may promote."""
+        cpu = {(g, j) for g, j, _ in self.states}
+        return {(g, j) for _, g, j, st in self.tier_states if st == "present"} - cpu
+
+    def tier_map(self) -> dict[tuple[int, int], int] | None:
+        """The kernel's ``tiers``: (group, chunk) -> the first tier holding it
+        readable, numbered from 1 (vLLM's label index); None without tiers."""
+        if not self.tiers:
+            return None
+        out: dict[tuple[int, int], int] = {}
+        for t, g, j, st in sorted(self.tier_states):
+            if st == "present":
+                out.setdefault((g, j), t + 1)
+        return out
 
     def size(self) -> int:
         """What shrinking minimises (smaller is simpler)."""
         s = 10_000 * len(self.groups) + self.num_tokens + self.gpu_computed_tokens
         s += 10 * len(self.states) + 3 * sum(st != "present" for _, _, st in self.states)
+        s += 50 * self.tiers + 10 * len(self.tier_states)
         s += 10 * self.blocks_per_chunk + (0 if self.prefix_caching else 100)
         for g in self.groups:
             s += g.tokens_per_block + (g.window or 0) + (g.attention_chunk or 0)
@@ -223,11 +280,12 @@ class CheckCase:
             s += 0 if g.kind is GroupKind.FULL else 20
         return s
 
-    def state_ranges(self) -> dict[str, dict[str, str]]:
-        """``chunk_states`` with runs of one state written as ``"a..b"``."""
+    def state_ranges(self, states: Sequence[tuple[int, int, str]] | None = None) -> dict[str, dict[str, str]]:
+        """``chunk_states`` (of ``states``, default the CPU cache's) with runs of one
+        state written as ``"a..b"``."""
         out: dict[str, dict[str, str]] = {}
         i = 0
-        st = self.states
+        st = self.states if states is None else states
         while i < len(st):
             g, j, name = st[i]
             k = i
@@ -249,7 +307,13 @@ class CheckCase:
             "prefix_caching": self.prefix_caching, "chunk_states": self.state_ranges()}
         if self.cpu_capacity_chunks is not None:
             data["cpu_capacity_chunks"] = self.cpu_capacity_chunks
+        if self.tiers:
+            data["tiers"] = [{"chunk_states": self.tier_ranges(t)} for t in range(self.tiers)]
         return data
+
+    def tier_ranges(self, tier: int) -> dict[str, dict[str, str]]:
+        """Tier ``tier``'s (0: the first secondary) ``chunk_states`` as ranges."""
+        return self.state_ranges([(g, j, st) for t, g, j, st in self.tier_states if t == tier])
 
     def to_scenario(self, source: str = "<check>") -> CheckScenario:
         """Validated :class:`CheckScenario` (raises :class:`InputError` if invalid)."""
@@ -271,34 +335,41 @@ def _parse_chunk_range(text: str) -> range | None:
     return range(a, b + 1)
 
 
-def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int], ChunkStateName]:
-    """``chunk_states`` as {(group, chunk): state}, validated against the layout."""
+def _expand_table(sc: CheckScenario, source: str, where: str, chunk_states: Mapping[str, Mapping[str, str]]
+                  ) -> dict[tuple[int, int], Any]:
+    """One ``chunk_states`` table (at ``where``) as {(group, chunk): state}, validated against the layout."""
     layout = sc.layout()
-    out: dict[tuple[int, int], ChunkStateName] = {}
+    out: dict[tuple[int, int], Any] = {}
     origin: dict[tuple[int, int], str] = {}  # (group, chunk) -> the range that states it
-    for gkey, table in sc.chunk_states.items():
+    for gkey, table in chunk_states.items():
         if not gkey.isdigit() or int(gkey) >= len(sc.groups):
-            raise InputError(source, f"chunk_states.{gkey}", "unknown group",
+            raise InputError(source, f"{where}.{gkey}", "unknown group",
                              f"a group index 0..{len(sc.groups) - 1}")
         g = int(gkey)
         limit = layout.num_keys(g, sc.num_tokens)
         for ckey, state in table.items():
             rng = _parse_chunk_range(ckey)
             if rng is None:
-                raise InputError(source, f"chunk_states.{gkey}.{ckey}", "not a chunk index or range",
+                raise InputError(source, f"{where}.{gkey}.{ckey}", "not a chunk index or range",
                                  'a chunk index "14" or an inclusive range "118..121"')
             if rng[-1] >= limit:
-                raise InputError(source, f"chunk_states.{gkey}.{ckey}",
+                raise InputError(source, f"{where}.{gkey}.{ckey}",
                                  f"chunk {rng[-1]} is beyond the prompt's {limit} complete chunks",
                                  f"chunk indices 0..{limit - 1}")
             for j in rng:
                 prev = origin.get((g, j))
                 if prev is not None:
-                    raise InputError(source, f"chunk_states.{gkey}",
+                    raise InputError(source, f"{where}.{gkey}",
                                      f'ranges "{prev}" ({table[prev]}) and "{ckey}" ({state}) both state '
                                      f"chunk {j}", "ranges that do not overlap: one state per chunk")
                 origin[(g, j)] = ckey
                 out[(g, j)] = state
+    return out
+
+
+def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int], ChunkStateName]:
+    """``chunk_states`` as {(group, chunk): state}, validated against the layout."""
+    out = _expand_table(sc, source, "chunk_states", sc.chunk_states)
     cap = sc.cpu_capacity_chunks
     if cap is not None and len(out) > cap:
         raise InputError(source, "cpu_capacity_chunks",
@@ -313,6 +384,29 @@ def expand_chunk_states(sc: CheckScenario, source: str) -> dict[tuple[int, int],
                          "(a local GPU hit needs the GPU prefix cache)",
                          "0 when prefix_caching = false, or prefix_caching = true")
     return out
+
+
+def expand_tier_states(sc: CheckScenario, source: str, cpu: Mapping[tuple[int, int], str]
+                       ) -> tuple[tuple[int, int, int, str], ...]:
+    """``[[tiers]]`` as sorted ``(tier, group, chunk, state)`` (tier 0: the first
+    entry), validated against the layout; ``cpu`` the expanded CPU states, for
+    the capacity check: the CPU cache must hold its stated chunks plus every
+    chunk a lookup may promote (no promotion evicts or fails in a check)."""
+    out: list[tuple[int, int, int, str]] = []
+    readable: set[tuple[int, int]] = set()
+    for t, tier in enumerate(sc.tiers):
+        for (g, j), st in _expand_table(sc, source, f"tiers.{t}.chunk_states", tier.chunk_states).items():
+            out.append((t, g, j, st))
+            if st == "present":
+                readable.add((g, j))
+    promotable = readable - set(cpu)
+    cap = sc.cpu_capacity_chunks
+    if cap is not None and len(cpu) + len(promotable) > cap:
+        raise InputError(source, "cpu_capacity_chunks",
+                         f"{len(cpu)} stated chunks and {len(promotable)} chunks only a tier holds exceed "
+                         f"the capacity {cap} (a promotion needs a free CPU slot; a check does not evict)",
+                         f"at least {len(cpu) + len(promotable)}, or no cpu_capacity_chunks")
+    return tuple(sorted(out))
 
 
 def _located(exc: ValidationError, source: str) -> InputError:
@@ -337,6 +431,8 @@ def _allowed_keys(loc: tuple[Any, ...]) -> str:
         model = CheckGroup
     elif loc and loc[0] == "expect":
         model = Expectation
+    elif loc and loc[0] == "tiers":
+        model = CheckTier
     names = [f.alias or n for n, f in model.model_fields.items()]
     return ", ".join(names)
 
@@ -373,6 +469,9 @@ def prepare_check(data: Any, source: str) -> tuple[CheckScenario, KernelTable | 
         raise _located(exc, source) from None
     if sc.gpu_computed_tokens and not sc.prefix_caching:
         expand_chunk_states(sc, source)   # raises the located error
+    if sc.tiers:        # the tiers' chunk states and the CPU room for promotions (located errors);
+        expand_tier_states(sc, source, expand_chunk_states(sc, source))
+        return sc, None  # the kernel reads tiers from the validated case (scenario_outcomes)
     dl = _scenario_layout(sc)
     table = _scenario_table(sc, dl)
     if table is None:
@@ -435,9 +534,20 @@ class CheckWorld:
     req: _CheckRequest
     local_tokens: int
     local_blocks: tuple[list[Block], ...]
+    #: per group, hashes per chunk (a key's chunk index from its hash)
+    hashes_per_chunk: tuple[int, ...] = ()
 
     def decide(self) -> dict[str, Any]:
-        """Lookup + allocation + load plan for the request; the outcome (JSON-ready)."""
+        """Lookup + allocation + load plan for the request; the outcome (JSON-ready;
+        with secondary tiers, ``promotions`` too)."""
+        out = self._decide()
+        if isinstance(self.cpu, TieredCache):
+            out["promotions"] = sorted([job.tier + 1, g, h // self.hashes_per_chunk[g] - 1]
+                                       for job in self.cpu.take_jobs() if job.is_promotion
+                                       for h, g in job.keys)
+        return out
+
+    def _decide(self) -> dict[str, Any]:
         sched, req, local_tokens = self.sched, self.req, self.local_tokens
         sched.on_new_request(req)
         match = sched.get_num_new_matched_tokens(req, local_tokens)
@@ -476,15 +586,32 @@ def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
     """Build the CPU chunk states, the GPU prefix and the scheduler of a case."""
     layout = case.layout()
     states = {(g, j): st for g, j, st in case.states}
-    cpu = CpuChunkCache(case.cpu_capacity_chunks or max(100, len(states)))
+    capacity = case.cpu_capacity_chunks or max(100, len(states) + len(case.promotable()))
+    cpu: CpuChunkCache
+    if case.tiers:
+        cpu = TieredCache(capacity, tiers=[TierSpec() for _ in range(case.tiers)])
+    else:
+        cpu = CpuChunkCache(capacity)
     sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=case.prefix_caching)
     hashes = list(range(1, case.num_tokens // case.tokens_per_hash + 1))
-    keys = {gj: (hashes[(gj[1] + 1) * layout.hashes_per_chunk[gj[0]] - 1], gj[0]) for gj in states}
+
+    def key(g: int, j: int) -> tuple[int, int]:
+        return hashes[(j + 1) * layout.hashes_per_chunk[g] - 1], g
+
+    keys = {gj: key(*gj) for gj in states}
     ordered = sorted(states)
     stored = [keys[gj] for gj in ordered if states[gj] in ("present", "pending", "loading")]
     if stored and cpu.prepare_store(stored) is None:  # pragma: no cover - capacity validated
         raise RuntimeError("could not place the stated chunks")
-    cpu.complete_store([keys[gj] for gj in ordered if states[gj] in ("present", "loading")])
+    # the CPU tier's own completion: the stated tier contents are set below, not cascaded
+    CpuChunkCache.complete_store(cpu, [keys[gj] for gj in ordered if states[gj] in ("present", "loading")])
+    if isinstance(cpu, TieredCache):
+        for t, tier in enumerate(cpu.tiers):
+            mine = [(key(g, j), st) for i, g, j, st in case.tier_states if i == t]
+            if mine and tier.prepare_store([k for k, _ in mine]) is None:  # pragma: no cover - unbounded
+                raise RuntimeError("could not place a tier's stated chunks")
+            tier.complete_store([k for k, st in mine if st == "present"])
+            tier.take_events()
     loading = [keys[gj] for gj in ordered if states[gj] == "loading"]
     if loading:
         cpu.prepare_load(loading)
@@ -502,7 +629,7 @@ def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
     if found != local_tokens:  # pragma: no cover - seeding guarantees the hit
         raise RuntimeError(f"seeded local hit {local_tokens} found as {found}")
     req = _CheckRequest("check", hashes, case.num_tokens, case.num_tokens)
-    return CheckWorld(cpu, gpu, sched, req, local_tokens, local)
+    return CheckWorld(cpu, gpu, sched, req, local_tokens, local, layout.hashes_per_chunk)
 
 
 def run_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
@@ -518,7 +645,8 @@ def run_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
 def case_outcomes(case: CheckCase, logics: Sequence[Logic] = ("old", "new")) -> dict[str, dict[str, Any]]:
     """The outcome of each logic (:func:`run_check`'s), decided once per case."""
     dl = decision_layout(case.groups, case.tokens_per_hash, case.blocks_per_chunk)
-    return decide(dl, case.states, case.num_tokens, case.gpu_computed_tokens, case.prefix_caching, logics)
+    return decide(dl, case.states, case.num_tokens, case.gpu_computed_tokens, case.prefix_caching, logics,
+                  case.tier_map())
 
 
 def reference_check(case: CheckCase, logic: Logic) -> dict[str, Any]:
@@ -552,6 +680,8 @@ def compare(expect: Expectation, outcome: dict[str, Any]) -> list[str]:
         differ("crash", expect.crash, "none" if crash is None else crash["kind"])
     if expect.hazards is not None:
         differ("hazards", sorted(expect.hazards), sorted(h["kind"] for h in outcome["hazards"]))
+    if expect.promotions is not None:
+        differ("promotions", sorted(expect.promotions), outcome.get("promotions", []))
     return diffs
 
 
@@ -587,6 +717,11 @@ def scenario_outcomes(sc: CheckScenario, source: str, table: KernelTable | None 
     states or local hit do not pass that way goes through
     :meth:`CheckScenario.case` (which validates them: :class:`InputError`)."""
     n = sc.num_tokens
+    if sc.tiers:        # the validating way, with the tiers' contents
+        case = sc.case(source)
+        dl = _scenario_layout(sc)
+        return decide(dl, case.states, n, sc.gpu_computed_tokens, sc.prefix_caching, sc.logics(),
+                      case.tier_map())
     if table is None:
         dl = _scenario_layout(sc)
         t = _scenario_table(sc, dl)
@@ -677,6 +812,11 @@ def summarize(outcome: dict[str, Any]) -> str:
     """One short human line for an outcome."""
     ext = outcome["external_tokens"]
     head = "deferred" if ext is None else f"{ext} tokens"
+    promotions = outcome.get("promotions")
+    if promotions:
+        tiers = sorted({t for t, _, _ in promotions})
+        head += (f" (promotes {len(promotions)} {'chunk' if len(promotions) == 1 else 'chunks'} from tier "
+                 + ", ".join(str(t) for t in tiers) + ")")
     if outcome["crash"]:
         c = outcome["crash"]
         return f"{head}, CRASH {c['kind']} (group {c['group']}, chunk {c['chunk']})"
@@ -738,6 +878,11 @@ def case_toml(case: CheckCase, *, name: str, window_logic: str, expect: Mapping[
     for g, table in case.state_ranges().items():
         lines += ["", f"[chunk_states.{g}]"]
         lines += [f'"{rng}" = "{st}"' for rng, st in table.items()]
+    for t in range(case.tiers):
+        lines += ["", "[[tiers]]"]
+        for g, table in case.tier_ranges(t).items():
+            lines += [f"[tiers.chunk_states.{g}]"]
+            lines += [f'"{rng}" = "{st}"' for rng, st in table.items()]
     for logic, exp in expect.items():
         lines += ["", f"[expect.{logic}]"]
         lines += [f"{k} = {toml_value(v)}" for k, v in exp.items()]

@@ -32,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from sim.engine.metrics import COLUMN_DOCS, TABLES
+from sim.engine.metrics import COLUMN_DOCS, OPTIONAL_TABLES, TABLES
 from sim.model.connector import CrashKind, DeferReason, Hazard
 
 __all__ = [
@@ -84,7 +84,8 @@ SUMMARY_KEYS: dict[str, Key] = {
                                       "when it stopped", column=False),
     "progress.sim_time_s": Key("float", "s", "failed or interrupted runs: simulated time reached (at the "
                                "last progress report)", column=False),
-    **{f"rows.{t}": Key("int", "rows", f"failed or interrupted runs: rows written to {t}.parquet",
+    **{f"rows.{t}": Key("int", "rows", f"failed or interrupted runs: rows written to {t}.parquet"
+                        + (" (only with secondary tiers)" if t in OPTIONAL_TABLES else ""),
                         column=False) for t in TABLES},
     "end": Key("str", "-", "how the simulation ended: ok | stopped_on_crash (on_crash = \"stop\") | "
                "time_limit (output.max_sim_time_s)"),
@@ -176,13 +177,22 @@ SUMMARY_KEYS: dict[str, Key] = {
                                        column=False),
     "tiers.primary.chunk_hits": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_chunk_hits of "
                                     "the CPU tier", column=False),
+    "tiers.primary.resident_hit_tokens": Key("float", "tokens", "[[tiers]] only: of tokens.cpu_hit, the "
+                                             "share served by chunks already in CPU memory (each hit split "
+                                             "over its load's chunks; the rest is the tiers' "
+                                             "promoted_hit_tokens)", column=False),
+    "tiers.primary.resident_hit_rate": Key("float", "share", "[[tiers]] only: resident_hit_tokens / prompt "
+                                           "tokens (cpu_hit_rate = this + every tier's promoted_hit_rate)",
+                                           column=False),
     "tiers.promotion_allocation_failures": Key("int", "count", "[[tiers]] only: vllm:kv_offload_tiering_"
                                                "promotion_allocation_failures (no CPU slot for a promotion)",
                                                column=False),
     "tiers.secondary": Key("list", "-", "[[tiers]] only: per secondary tier, its label, kind, "
                            "capacity_chunks, policy, vLLM's chunk_queries, chunk_hits, read_bytes, "
                            "read_time, write_bytes, write_time, promotion_jobs, cascade_jobs, and "
-                           "kvsim's promoted_chunks_loaded, evictions, store_rejections, "
+                           "kvsim's promoted_chunks_loaded, promoted_hit_tokens and promoted_hit_rate "
+                           "(its share of the CPU hit tokens, and that over prompt tokens), evictions, "
+                           "store_rejections, "
                            "occupancy_chunks (mean, peak, end), utilisation "
                            "(docs/tiers.md)", column=False),
     "workload.bad_lines_skipped": Key("int?", "count", "workload.skip_bad: bad trace lines skipped (null "
@@ -372,8 +382,15 @@ def summary_arrays(flats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # -- docs/columns.md -----------------------------------------------------------------------------
 
-_TYPE_OF_TABLE = {"str": "str", "str?": "str (null)", "int": "int", "float": "float",
+_TYPE_OF_TABLE = {"str": "str", "str?": "str (null)", "int": "int", "int?": "int (null)", "float": "float",
                   "float?": "float (null)", "bool": "bool"}
+
+#: what a run must have for an optional table's file to exist
+_OPTIONAL_NOTE = {
+    "tiers": "Only in a run with secondary tiers (`[[tiers]]`, [docs/tiers.md](tiers.md)): no "
+             "`tiers.parquet` otherwise. One row per secondary tier at every occupancy sample (the "
+             "`occupancy` table's times).",
+}
 
 _HEAD = """\
 # Data dictionary: every column, with unit and meaning
@@ -395,7 +412,8 @@ where a value may be missing (Parquet null, pandas NaN/None, empty in CSV).
 #: (what, how in Python or on the command line, one row per): the first table of docs/columns.md
 _READING = (
     ("a run folder", "`sim.load_results(path)`: `.requests`, `.steps`, `.transfers`, `.occupancy`, "
-     "`.events` (DataFrames), `.summary` (dict)", "the tables below"),
+     "`.events`, `.tiers` (DataFrames; `.tiers` is empty without secondary tiers), `.summary` (dict)",
+     "the tables below"),
     ("requests of many runs", "`sim.load_runs([path, ...])`: one DataFrame, the "
      "[run columns](#run-and-point-columns), the [resolved configuration](#resolved-configuration), "
      "then the `requests` columns", "request"),
@@ -425,6 +443,8 @@ def render() -> str:
     lines.append("## Run tables (`<run>/<table>.parquet`)\n")
     for table, cols in TABLES.items():
         lines.append(f"### `{table}`\n")
+        if table in OPTIONAL_TABLES:
+            lines.append(_OPTIONAL_NOTE[table] + "\n")
         lines.append(_row("column", "type", "unit", "meaning"))
         lines.append(_row("---", "---", "---", "---"))
         for name, kind in cols:

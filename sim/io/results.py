@@ -31,6 +31,7 @@ Life cycle (every command that writes a folder: run, compare, sweep, plot)
 Folder (DESIGN.md, "Results folder")::
 
     requests.parquet steps.parquet transfers.parquet occupancy.parquet events.parquet
+    tiers.parquet    only with secondary tiers ([[tiers]]): per-tier occupancy over time
     summary.json     status "ok" | "failed" | "interrupted", and the run's figures
     scenario.toml    the resolved scenario (kvsim version and seed included)
     run_info.json    wall-clock time, host, versions, argv: the one file that may
@@ -45,7 +46,8 @@ Determinism
 
 Invariants
     * a table file always exists after :meth:`ParquetSink.close`, with the
-      table's schema, even when no row was written;
+      table's schema, even when no row was written; an optional table
+      (``tiers``) exists only when it got rows;
     * the target folder is either absent, or complete (it appears by rename);
     * a refused target (non-empty, no ``overwrite``) is left untouched and
       nothing is created.
@@ -68,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sim.engine.metrics import TABLES
+from sim.engine.metrics import OPTIONAL_TABLES, TABLES
 from sim.errors import InputError
 from sim.io.columns import RESOLVED_DOCS, flat_summary, key_type, summary_arrays
 from sim.io.scenario import human_bytes
@@ -108,7 +110,7 @@ __all__ = [
 
 #: metrics column type -> (arrow type name, nullable)
 _TYPES: dict[str, tuple[str, bool]] = {
-    "str": ("string", False), "str?": ("string", True), "int": ("int64", False),
+    "str": ("string", False), "str?": ("string", True), "int": ("int64", False), "int?": ("int64", True),
     "float": ("float64", False), "float?": ("float64", True), "bool": ("bool_", False),
 }
 
@@ -160,12 +162,14 @@ class ParquetSink:
             raise
 
     def close(self) -> None:
-        """Close every writer; tables that got no rows are written empty, with their schema."""
+        """Close every writer; tables that got no rows are written empty, with their schema
+        (but for :data:`~sim.engine.metrics.OPTIONAL_TABLES`, which are then not written)."""
         if self._closed:
             return
         try:
             for table in TABLES:
-                self._writer(table)
+                if table not in OPTIONAL_TABLES:
+                    self._writer(table)
             for w in self._writers.values():
                 w.close()
         except OSError as exc:
@@ -454,8 +458,10 @@ class RunResults:
 
     Attributes:
         path: the folder.
-        requests, steps, transfers, occupancy, events: the tables as DataFrames
-            (columns as in :data:`sim.engine.metrics.TABLES`).
+        requests, steps, transfers, occupancy, events, tiers: the tables as
+            DataFrames (columns as in :data:`sim.engine.metrics.TABLES`); ``tiers``
+            is empty for a run without secondary tiers (it has no file), and
+            None in a RunResults built by hand without it.
         summary: ``summary.json``.
         scenario: ``scenario.toml``, parsed.
         run_info: ``run_info.json``.
@@ -470,6 +476,8 @@ class RunResults:
     summary: dict[str, Any]
     scenario: dict[str, Any]
     run_info: dict[str, Any]
+    #: last and optional, so that a RunResults built by hand without it still works
+    tiers: Any = None
 
 
 def load_results(path: str | Path) -> RunResults:

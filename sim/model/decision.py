@@ -22,6 +22,15 @@ How
       the tier answers RETRY for, else MISS) and ``prepare_load``'s two
       assertions read the same list (MISS and RETRY: ``missing_chunk``,
       HIT_PENDING: ``chunk_not_ready``, the first failing chunk in load order);
+    * secondary tiers (vLLM 0.33's ``TieringOffloadingManager``,
+      :mod:`sim.model.tiers`): a chunk the CPU cache lacks and a tier holds
+      is promoted when a lookup reads it (by index, as the real lookup asks
+      for one key at a time): its entry turns HIT_PENDING (a CPU slot is
+      reserved, so the request defers) and ``[tier, group, chunk]`` joins the
+      outcome's ``promotions``; a GPU load reads only the CPU tier, so the
+      load plan reads the table by slices, which never promote. The CPU
+      cache is taken to have room for every promotion (``check/1`` refuses
+      a capacity that could make a promotion evict or fail);
     * the GPU allocation is closed-form (spec §5.1): per group
       ``skipped(N) // bs`` null blocks, the local-hit blocks the window still
       retains, then fresh blocks up to ``cdiv(N, bs)``; so the first block to
@@ -43,8 +52,8 @@ tokens_per_hash, blocks_per_chunk)``: a batch on a few layouts builds each once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, SupportsIndex
 
 from sim.model.cpu_cache import LookupResult
 from sim.model.layout import GroupSpec, Layout
@@ -145,40 +154,89 @@ def decision_layout(groups: Sequence[GroupSpec], tokens_per_hash: int, blocks_pe
 
 def decide(dl: DecisionLayout, states: Iterable[tuple[int, int, str]], num_tokens: int,
            gpu_computed_tokens: int = 0, prefix_caching: bool = True,
-           logics: Sequence[str] = BOTH) -> dict[str, dict[str, Any]]:
+           logics: Sequence[str] = BOTH, tiers: Mapping[tuple[int, int], int] | None = None
+           ) -> dict[str, dict[str, Any]]:
     """The outcome of each logic for a request of ``num_tokens`` tokens with a
     local GPU hit of ``gpu_computed_tokens`` and the stated ``(group, chunk,
-    state)`` chunks (every other chunk missing); see the module docstring."""
+    state)`` chunks (every other chunk missing); see the module docstring.
+    ``tiers``: see :func:`decide_codes`."""
     codes = [[_MISS] * (num_tokens // t) for t in dl.tpc]
     loading: set[tuple[int, int]] = set()
     for g, j, st in states:
         codes[g][j] = state_code[st]
         if st == "loading":
             loading.add((g, j))
-    return decide_codes(dl, codes, loading, num_tokens, gpu_computed_tokens, prefix_caching, logics)
+    return decide_codes(dl, codes, loading, num_tokens, gpu_computed_tokens, prefix_caching, logics, tiers)
 
 
 def decide_codes(dl: DecisionLayout, codes: list[list[LookupResult]], loading: set[tuple[int, int]],
                  num_tokens: int, gpu_computed_tokens: int = 0, prefix_caching: bool = True,
-                 logics: Sequence[str] = BOTH) -> dict[str, dict[str, Any]]:
+                 logics: Sequence[str] = BOTH, tiers: Mapping[tuple[int, int], int] | None = None
+                 ) -> dict[str, dict[str, Any]]:
     """:func:`decide` on a prepared table: ``codes[g][j]`` the lookup answer of
     chunk ``j`` of group ``g`` (:data:`state_code` of its state, :data:`MISSING`
     when none is stated; one entry per complete chunk: ``num_tokens //
-    tokens_per_chunk``), ``loading`` the stated ``loading`` chunks."""
+    tokens_per_chunk``), ``loading`` the stated ``loading`` chunks.
+
+    ``tiers`` (None: no secondary tier): ``(group, chunk) -> tier`` for the
+    chunks a secondary tier holds readable, the first such tier (1 is the
+    first after the CPU); each outcome then has ``promotions``, the sorted
+    ``[tier, group, chunk]`` of the chunks the lookup promoted."""
     if gpu_computed_tokens and not prefix_caching:
         raise ValueError(f"a local GPU hit ({gpu_computed_tokens} tokens) needs GPU prefix caching")
     being = loading if prefix_caching and loading else None
     out: dict[str, dict[str, Any]] = {}
     profiles = dl.profiles
+    held: dict[int, dict[int, int]] = {}
+    for (g, j), tier in (tiers or {}).items():
+        held.setdefault(g, {})[j] = tier
     for logic in logics:
         prof, order, window_groups, plan_groups = profiles[logic]
-        ext = _lookup(dl, prof, order, window_groups, codes, num_tokens, gpu_computed_tokens, being)
+        table = codes
+        promoted: list[list[int]] = []
+        if held:        # a fresh table per logic: its lookups promote
+            table = [_TierCodes(cg, g, held[g], promoted) if g in held else cg for g, cg in enumerate(codes)]
+        ext = _lookup(dl, prof, order, window_groups, table, num_tokens, gpu_computed_tokens, being)
         if ext:
-            out[logic] = _plan(dl, prof, plan_groups, codes, gpu_computed_tokens, ext, being)
+            out[logic] = _plan(dl, prof, plan_groups, table, gpu_computed_tokens, ext, being)
         else:
             out[logic] = {"external_tokens": ext, "load_async": False, "load_keys": [], "group_sizes": [],
                           "block_indices": [], "crash": None, "hazards": []}
+        if tiers is not None:
+            out[logic]["promotions"] = sorted(promoted)
     return out
+
+
+class _TierCodes(list[LookupResult]):
+    """One group's lookup answers with secondary tiers behind the CPU cache:
+    reading chunk ``j`` by index (a lookup) when the CPU cache lacks it and a
+    tier holds it starts its promotion (HIT_PENDING from then on, as the CPU
+    slot is reserved); a slice (the load plan: a GPU load reads only the CPU
+    tier) reads without promoting."""
+
+    __slots__ = ("group", "held", "promoted")
+
+    def __init__(self, codes: list[LookupResult], group: int, held: dict[int, int],
+                 promoted: list[list[int]]) -> None:
+        super().__init__(codes)
+        self.group = group
+        #: chunk -> the first tier holding it readable
+        self.held = held
+        #: the outcome's promotions, shared by the groups of one decision
+        self.promoted = promoted
+
+    def __getitem__(self, j: SupportsIndex | slice) -> Any:
+        if isinstance(j, slice):
+            return list.__getitem__(self, j)     # a plain list
+        code = list.__getitem__(self, j)
+        if code is _MISS:
+            k = j.__index__() % len(self)
+            tier = self.held.get(k)
+            if tier is not None:
+                list.__setitem__(self, k, _PENDING)
+                self.promoted.append([tier, self.group, k])
+                return _PENDING
+        return code
 
 
 def _lookup(dl: DecisionLayout, prof: WindowProfile, order: tuple[_LookupGroup, ...],
@@ -270,10 +328,11 @@ def _ask_group(prof: WindowProfile, grp: _LookupGroup, cg: list[LookupResult], c
 
 def _prefix_lookup(cg: list[LookupResult], lo: int, end: int) -> int | None:
     """Chunks ``lo..end`` of a full-attention group: the hits before the first
-    miss, None to defer (a pending or RETRY chunk on the way)."""
+    miss, None to defer (a pending or RETRY chunk on the way). With tiers, one
+    chunk at a time (each read may promote; none beyond the first miss)."""
     count = 0
     deferred = False
-    for code in cg[lo:end]:
+    for code in (cg[lo:end] if type(cg) is list else map(cg.__getitem__, range(lo, end))):
         if code is _HIT:
             count += 1
         elif code is _PENDING:
@@ -321,7 +380,7 @@ def _plan(dl: DecisionLayout, prof: WindowProfile, plan_groups: _PlanGroups, cod
     load_keys: list[list[int]] = []
     sizes: list[int] = []
     firsts: list[int] = []
-    failed: tuple[int, int] | None = None
+    failed: tuple[int, int, LookupResult] | None = None
     try:
         for grp in plan_groups:
             g = grp[0]
@@ -332,9 +391,9 @@ def _plan(dl: DecisionLayout, prof: WindowProfile, plan_groups: _PlanGroups, cod
                 start = first // bpc
                 load_keys += [[g, j] for j in range(start, nc)]
                 if failed is None:
-                    window = cg[start:nc]
+                    window = cg[start:nc]       # a slice: the CPU tier's states, no promotion
                     if window.count(_HIT) != len(window):
-                        failed = _not_ready(cg, g, start, nc)
+                        failed = _not_ready(window, g, start)
             sizes.append(pending)
             firsts.append(first)
     except _AssertionHit as exc:
@@ -344,8 +403,8 @@ def _plan(dl: DecisionLayout, prof: WindowProfile, plan_groups: _PlanGroups, cod
                                         for g, j in load_keys if (g, j) in being]
     crash = None
     if failed is not None:
-        g, j = failed
-        if codes[g][j] is _PENDING:
+        g, j, code = failed
+        if code is _PENDING:
             reason, what = "chunk_not_ready", _NOT_READY
         else:
             reason, what = "missing_chunk", _NOT_FOUND
@@ -382,10 +441,10 @@ def _draft_group(prof: WindowProfile, grp: tuple[int, int, int, int | None, Grou
     return first, nc
 
 
-def _not_ready(cg: list[LookupResult], g: int, start: int, nc: int) -> tuple[int, int] | None:
-    """The first chunk of ``start..nc`` that ``prepare_load`` refuses (absent,
-    RETRY or pending), as ``(group, chunk)``."""
-    for j in range(start, nc):
-        if cg[j] is not _HIT:
-            return g, j
+def _not_ready(window: list[LookupResult], g: int, start: int) -> tuple[int, int, LookupResult] | None:
+    """The first chunk of ``window`` (group ``g``'s chunks from ``start``) that
+    ``prepare_load`` refuses (absent, RETRY or pending), as ``(group, chunk, answer)``."""
+    for k, code in enumerate(window):
+        if code is not _HIT:
+            return g, start + k, code
     return None

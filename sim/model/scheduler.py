@@ -884,6 +884,8 @@ class Scheduler:
         if r.preemptions == 0:
             r.cpu_hit_tokens += ext
             s.cpu_hit_tokens += ext
+            if isinstance(self.cpu, TieredCache):
+                self.cpu.attribute_hit(ext)     # resident or promoted (summary: tiers)
         else:
             r.cpu_reload_tokens += ext
             s.cpu_reload_tokens += ext

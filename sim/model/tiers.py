@@ -157,6 +157,9 @@ class TierCounters:
     store_rejections: int = 0
     #: promoted chunks a GPU load then read (the tier served a hit through the CPU)
     promoted_chunks_loaded: int = 0
+    #: of the requests' CPU hit tokens (first admission), this tier's share: each
+    #: hit split over its load's chunks, promoted ones counting for their tier
+    promoted_hit_tokens: float = 0.0
 
 
 @dataclass(slots=True)
@@ -206,6 +209,11 @@ class TieredCache(CpuChunkCache):
         self._pending = _Pending()
         #: promoted chunks not yet read by a GPU load -> their tier
         self._promoted: dict[OffloadKey, int] = {}
+        #: the last GPU load: its chunk count and, per tier, how many of them were
+        #: promoted (for :meth:`attribute_hit`); None once attributed
+        self._last_load: tuple[int, tuple[int, ...]] | None = None
+        #: CPU hit tokens served by chunks that were resident (not promoted)
+        self.resident_hit_tokens = 0.0
         #: the request now looking up, and what it has been counted for
         self._asker: str | None = None
         self._observed: dict[str, set[tuple[int, OffloadKey]]] = {}
@@ -299,11 +307,31 @@ class TieredCache(CpuChunkCache):
         """A GPU load: from the CPU tier only (promoted chunks count as served by their tier)."""
         slots = super().prepare_load(keys)
         promoted = self._promoted
+        counts = [0] * len(self.tiers)
         for key in keys:
             tier = promoted.pop(key, None)
             if tier is not None:
                 self.counters[tier].promoted_chunks_loaded += 1
+                counts[tier] += 1
+        self._last_load = (len(keys), tuple(counts))
         return slots
+
+    def attribute_hit(self, tokens: int) -> None:
+        """A request's CPU hit of ``tokens`` (first admission) whose load was the
+        last :meth:`prepare_load`: split over that load's chunks, a promoted
+        chunk's share going to its tier (``promoted_hit_tokens``), the others'
+        to the CPU tier (``resident_hit_tokens``). A share, not a count of
+        token positions: several groups load the same tokens' KV, each with
+        its own chunks (kvsim's own; vLLM attributes per key)."""
+        last, self._last_load = self._last_load, None
+        if last is None or not last[0]:
+            self.resident_hit_tokens += tokens
+            return
+        n, counts = last
+        for i, c in enumerate(counts):
+            if c:
+                self.counters[i].promoted_hit_tokens += tokens * c / n
+        self.resident_hit_tokens += tokens * (n - sum(counts)) / n
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in the CPU tier and in every secondary tier."""

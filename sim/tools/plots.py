@@ -10,7 +10,9 @@ What it draws
     (``kvsim sweep``): :func:`hit_rate_vs_cpu` (CPU hit rate and recompute
     saved against CPU cache size, one line per policy and per other varying
     parameter, the :func:`knee` of each line marked) and :func:`ttft_cdfs`
-    (TTFT CDF of every point). :func:`write_plots` tells the three folder
+    (TTFT CDF of every point); a sweep over secondary tiers:
+    :func:`tiers_whatif` (CPU hit rate, TTFT p50 and p90 against CPU cache
+    size, one line per tier choice and policy). :func:`write_plots` tells the three folder
     kinds apart by the file that marks them (``sweep.parquet``,
     ``compare.json``, ``summary.json``) and writes every figure of the kind
     as PNG into ``<folder>/plots/``. ``docs/plots.md`` describes each figure.
@@ -89,6 +91,8 @@ __all__ = [
     "old_vs_new",
     "run_title",
     "save_figure",
+    "tier_label",
+    "tiers_whatif",
     "ttft_cdf",
     "ttft_cdfs",
     "write_plots",
@@ -120,7 +124,7 @@ STYLE: dict[str, Any] = {
 }
 
 #: colour of each eviction policy (sweeps)
-POLICY_COLOURS: dict[str, str] = {"lru": "#1f77b4", "arc": "#ff7f0e"}
+POLICY_COLOURS: dict[str, str] = {"lru": "#1f77b4", "arc": "#ff7f0e", "belady": "#2ca02c"}
 #: colour of each window logic (compare)
 LOGIC_COLOURS: dict[str, str] = {"old": "#d62728", "new": "#2ca02c", "latest": "#1f77b4"}
 #: colour of each link direction
@@ -1296,3 +1300,102 @@ def layout_problems(fig: Figure, tolerance_px: float = 0.5) -> list[str]:
             if w > tol and h > tol:
                 problems.append(f"{da} overlaps {db}")
     return problems
+
+
+def tier_label(value: Any) -> str:
+    """A sweep's ``tiers`` value (JSON text of the ``[[tiers]]`` list, or the list) for a
+    legend: ``"no tier"``, ``"pm1743 1TiB"``, ``"pm1743 1TiB + net-400g"``."""
+    tiers = json.loads(value) if isinstance(value, str) else value
+    if not tiers:
+        return "no tier"
+    names = []
+    for t in tiers:
+        name = str(t.get("device") or t.get("kind") or "tier")
+        cap = t.get("capacity", t.get("chunks"))
+        names.append(f"{name} {cap}" if cap is not None else f"{name} (unbounded)")
+    return " + ".join(names)
+
+
+#: line style and marker of the i-th tier choice in :func:`tiers_whatif`
+_TIER_STYLES = ((":", "o"), ("--", "s"), ("-", "^"), ("-.", "D"))
+
+
+@_styled
+def tiers_whatif(sweep: Any) -> Figure:
+    """CPU hit rate, TTFT p50 and TTFT p90 against CPU cache size (GiB), one line per
+    (tier choice, eviction policy): colour = the CPU policy, line style and marker =
+    the secondary tiers (the swept ``tiers`` key; none when the sweep has none).
+    The CPU hit rate counts promoted chunks too (a GPU load reads them from CPU
+    memory). TTFT is on a log scale; a red cross marks an overloaded point (its
+    TTFT is the queue's). Failed points are skipped and named in the title.
+
+    Args:
+        sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame.
+    """
+    table, _, sweep_name = _read_sweep(sweep)
+    df, skipped = _ok_points(table)
+    tiers = df["tiers"].map(tier_label) if "tiers" in df.columns else None
+    choices = list(dict.fromkeys(tiers)) if tiers is not None else ["no tier"]
+    policy = (df["cpu_cache_policy"].astype(str) if "cpu_cache_policy" in df.columns
+              else df["cpu_cache.policy"].astype(str))
+    seen = set(policy)
+    policies = [p for p in POLICY_COLOURS if p in seen] + sorted(seen - set(POLICY_COLOURS))
+    fig = _figure(12.5, 4.8)
+    axes = fig.subplots(1, 3, sharex=True)
+    panels = (("cpu_hit_rate", 100.0, "CPU hit rate (% of prompt tokens)", False),
+              ("ttft_s_p50", 1.0, "TTFT p50 (s)", True),
+              ("ttft_s_p90", 1.0, "TTFT p90 (s)", True))
+    sizes = df["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB if len(df) else np.empty(0)
+    over_flags = (df["overloaded"].fillna(False).astype(bool).to_numpy() if "overloaded" in df.columns
+                  else np.zeros(len(df), dtype=bool))
+    palette = _palette(len(policies))
+    for ax, (col, scale, ylabel, log_y) in zip(axes, panels, strict=True):
+        if len(df):
+            _size_axis(ax, sizes)
+        over_drawn = False
+        for ti, choice in enumerate(choices):
+            ls, marker = _TIER_STYLES[ti % len(_TIER_STYLES)]
+            for pi, pol in enumerate(policies):
+                sel = (policy == pol).to_numpy()
+                if tiers is not None:
+                    sel = sel & (tiers == choice).to_numpy()
+                rows = df[sel]
+                if not len(rows) or col not in rows.columns:
+                    continue
+                x = rows["cpu_cache_bytes"].to_numpy(dtype=float) / _GIB
+                y = scale * rows[col].to_numpy(dtype=float)
+                order = np.argsort(x)
+                colour = POLICY_COLOURS.get(pol, palette[pi])
+                ax.plot(x[order], y[order], linestyle=ls, marker=marker, markersize=4, color=colour,
+                        label=f"{pol.upper() if pol != 'belady' else 'Belady'}, {choice}")
+                over = over_flags[sel][order]
+                if over.any():
+                    ax.plot(x[order][over], y[order][over], linestyle="none", marker="x", color="#d62728",
+                            markersize=9, markeredgewidth=2, zorder=5, gid="overloaded",
+                            label="_over" if over_drawn else "overloaded (queue grows: TTFT not usable)")
+                    over_drawn = True
+        if log_y:
+            from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+
+            ax.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            lo, hi = ax.get_ylim()      # minor ticks labelled only within a decade (else too many)
+            ax.yaxis.set_minor_formatter(plain if lo > 0 and hi / lo < 10 else NullFormatter())
+        ax.set_xlabel("CPU cache (GiB)")
+        ax.set_ylabel(ylabel)
+    lines = [(h, lab) for h, lab in zip(*axes[0].get_legend_handles_labels(), strict=True)
+             if not lab.startswith("overloaded")]
+    over = [(h, lab) for ax in axes for h, lab in zip(*ax.get_legend_handles_labels(), strict=True)
+            if lab.startswith("overloaded")]
+    handles = [h for h, _ in lines + over[:1]]
+    labels = [lab for _, lab in lines + over[:1]]
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=7)
+    title = (f"{sweep_name}: CPU hit rate and TTFT per CPU cache, secondary tier and policy, "
+             f"{_n(len(df), 'point')}")
+    if skipped:
+        title += f"\n{_n(len(skipped), 'point')} failed and left out: {', '.join(skipped[:4])}"
+        title += ", ..." if len(skipped) > 4 else ""
+    fig.suptitle(title)
+    return fig

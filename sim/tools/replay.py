@@ -27,6 +27,7 @@ from typing import Any
 
 from sim.engine.loop import CopyPathConfig, Engine, EngineConfig
 from sim.engine.metrics import MemorySink, Recorder
+from sim.errors import InputError
 from sim.io.check import CheckScenario, Logic, expand_chunk_states
 from sim.io.workload import Request
 from sim.model.costs import StepCostModel, TransferModel
@@ -48,6 +49,9 @@ def replay_check(sc: CheckScenario, logic: Logic, *, assertions: bool = True,
         group, chunk]...], "violations": [[group, chunk], ...] (first
         occurrence order), "external_tokens": tokens loaded, "status": ...}``.
     """
+    if sc.tiers:
+        raise InputError(source, "tiers", "a check with secondary tiers cannot be replayed with the copy "
+                         "path (it moves no tier data)", "no [[tiers]] with --copy-path")
     layout = sc.layout()
     states = expand_chunk_states(sc, source)
     tph = sc.tokens_per_hash

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.engine.loop import simulate
-from sim.engine.metrics import TABLES, Recorder
+from sim.engine.metrics import OPTIONAL_TABLES, TABLES, Recorder
 from sim.errors import InputError
 from sim.io.check import write_reproducers
 from sim.io.results import ParquetSink, RunWriter, clean_floats, out_error
@@ -284,7 +284,8 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
                  else traceback.format_exception_only(exc)[-1].strip())
         summary: dict[str, Any] = {"run": header, "error": error, "progress": dict(last)}
         if recorder is not None:
-            summary["rows"] = dict(recorder.rows_written)
+            summary["rows"] = {t: n for t, n in recorder.rows_written.items()
+                               if n or t not in OPTIONAL_TABLES}   # no tiers: no tiers key
             if interrupted:  # progress is reported every 100 requests; the table has them all
                 last["requests_finished"] = max(last["requests_finished"], recorder.rows_written["requests"])
                 summary["progress"] = dict(last)

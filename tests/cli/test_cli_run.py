@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 
 from sim.cli import build_parser, main
-from sim.engine.metrics import TABLES
+from sim.engine.metrics import OPTIONAL_TABLES, TABLES
 from sim.io.scenario import load_run
 from tests.helpers import ROOT
 
 DEFAULT = ROOT / "scenarios" / "default.toml"
 #: a short run of the default scenario (a few seconds at most)
 SMALL = ["--set", "workload.sessions=12", "--set", "workload.session_rate_per_s=4", "-q"]
-FILES = sorted([f"{t}.parquet" for t in TABLES] + ["summary.json", "scenario.toml", "run_info.json"])
+#: no tiers.parquet: the run has no secondary tiers
+FILES = sorted([f"{t}.parquet" for t in TABLES if t not in OPTIONAL_TABLES]
+               + ["summary.json", "scenario.toml", "run_info.json"])
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine.metrics import ROW_TYPES, TABLES, EventRow, MemorySink, Recorder, RunSummary, percentile
+from sim.engine.metrics import (
+    OPTIONAL_TABLES,
+    ROW_TYPES,
+    TABLES,
+    EventRow,
+    MemorySink,
+    Recorder,
+    RunSummary,
+    percentile,
+)
 from sim.errors import InputError
 
 
@@ -37,7 +46,9 @@ def test_recorder_rejects_a_plain_tuple() -> None:
 
 def test_tables_follow_the_row_types() -> None:
     """The schema is the row types' fields, typed by their annotations."""
-    assert list(TABLES) == ["requests", "steps", "transfers", "occupancy", "events"]
+    assert list(TABLES) == ["requests", "steps", "transfers", "occupancy", "events", "tiers"]
+    assert {"tiers"} == OPTIONAL_TABLES          # written only by runs with secondary tiers
+    assert dict(TABLES["tiers"])["capacity_chunks"] == "int?"
     for table, row in ROW_TYPES.items():
         assert [c for c, _ in TABLES[table]] == list(row._fields)
     assert TABLES["events"] == (("t_s", "float"), ("kind", "str"), ("detail", "str"), ("req_id", "str?"),

@@ -70,7 +70,38 @@ def test_a_promotion_defers_the_lookup_and_the_gpu_load_reads_the_cpu_tier_after
     # asked of the tier: A by r0 and C by r1 (misses: a prefix lookup stops there), A and B by r2
     assert (t["chunk_queries"], t["chunk_hits"]) == (4, 2)
     # of the CPU tier: the same four, all misses (r2's later hits were resolved already, as in vLLM)
-    assert figs["tiers"]["primary"] == {"label": "0:primary", "chunk_queries": 4, "chunk_hits": 0}
+    primary = figs["tiers"]["primary"]
+    assert {k: primary[k] for k in ("label", "chunk_queries", "chunk_hits")} == {
+        "label": "0:primary", "chunk_queries": 4, "chunk_hits": 0}
+    # r2's 32 hit tokens came through the promotion: all the tier's, none resident
+    assert (t["promoted_hit_tokens"], primary["resident_hit_tokens"]) == (32.0, 0.0)
+    assert t["promoted_hit_rate"] + primary["resident_hit_rate"] == pytest.approx(figs["cpu_hit_rate"])
+
+
+def test_the_tiers_table_samples_each_tier_with_the_occupancy_table() -> None:
+    cfg = engine_cfg(occupancy_interval_s=0.5)
+    figs, sink = run(cfg, [req("r0", 0.0, 1, 2), req("r1", 2.0, 3, 4), req("r2", 4.0, 1, 2)])
+    frames = sink.frames()
+    tiers, occ = frames["tiers"], frames["occupancy"]
+    assert list(tiers.t_s) == list(occ.t_s) and set(tiers.tier) == {"1:nvme"}   # one tier, every sample
+    assert (tiers.chunks_used == tiers.chunks_ready + tiers.chunks_pending_write + tiers.chunks_reading).all()
+    assert tiers.capacity_chunks.isna().all()           # an unbounded tier
+    states = {t: (r.chunks_ready, r.chunks_pending_write, r.chunks_reading)
+              for t, r in tiers.drop_duplicates("t_s").set_index("t_s").iterrows()}
+    assert states[0.0] == (0, 0, 0)
+    assert states[0.5] == (0, 2, 0)                     # A, B being written (the 1-s cascade)
+    assert states[1.0] == (2, 0, 0)                     # written
+    assert states[2.5] == (2, 2, 0)                     # C, D being written
+    assert states[4.5] == (2, 0, 2)                     # A, B being promoted for r2
+    assert states[5.0] == (4, 0, 0)
+    occ_figs = figs["tiers"]["secondary"][0]["occupancy_chunks"]
+    assert occ_figs["peak"] == tiers.chunks_used.max() and occ_figs["end"] == tiers.chunks_used.iloc[-1]
+
+
+def test_a_run_without_tiers_has_an_empty_tiers_table() -> None:
+    _, sink = run(EngineConfig(layout=LAYOUT, gpu_blocks=64, prefix_caching=False, cpu_capacity_chunks=2),
+                  [req("r0", 0.0, 1, 2)])
+    assert sink.tables["tiers"]["t_s"] == []
 
 
 def test_without_a_promotion_delay_the_hit_is_the_same_but_sooner() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 import sim
 from sim.cli import main
-from sim.engine.metrics import TABLES
+from sim.engine.metrics import OPTIONAL_TABLES, TABLES
 from sim.errors import InputError
 from sim.io.results import load_results
 from sim.tools.sweep import HEAD_COLUMNS, RESOLVED_COLUMNS, SweepResults, read_sweep, run_sweep
@@ -207,8 +207,9 @@ def test_export_writes_csv_beside_the_parquet_files(runs: list[Path], sweep_dir:
     (run / "requests.csv").write_text("stale\n")
     assert main(["export", str(run)]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed == [str(run / f"{t}.csv") for t in TABLES] + [str(run / "summary.csv")]
-    for t in TABLES:
+    written = [t for t in TABLES if t not in OPTIONAL_TABLES]      # no tiers.parquet without tiers
+    assert printed == [str(run / f"{t}.csv") for t in written] + [str(run / "summary.csv")]
+    for t in written:
         back = pd.read_csv(run / f"{t}.csv")
         parquet = pq.read_table(run / f"{t}.parquet").to_pandas()
         assert list(back.columns) == list(parquet.columns) and len(back) == len(parquet)
@@ -221,7 +222,7 @@ def test_export_writes_csv_beside_the_parquet_files(runs: list[Path], sweep_dir:
 
     assert main(["export", str(sweep_dir), "--points"]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed[0] == str(sweep_dir / "sweep.csv") and len(printed) == 1 + 2 * (len(TABLES) + 1)
+    assert printed[0] == str(sweep_dir / "sweep.csv") and len(printed) == 1 + 2 * (len(written) + 1)
     table = pd.read_csv(sweep_dir / "sweep.csv")
     assert list(table.columns) == list(sim.load_sweep(sweep_dir).table.columns)
     assert (sweep_dir / "points" / "000-policy_lru" / "requests.csv").is_file()

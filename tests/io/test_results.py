@@ -12,7 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 
 import sim
-from sim.engine.metrics import TABLES, EventRow, Recorder, RunSummary, TransferRow
+from sim.engine.metrics import (
+    OPTIONAL_TABLES,
+    TABLES,
+    EventRow,
+    Recorder,
+    RunSummary,
+    TierOccupancyRow,
+    TransferRow,
+)
 from sim.errors import InputError
 from sim.io.results import (
     ParquetSink,
@@ -42,7 +50,7 @@ def test_parquet_output_is_byte_identical(tmp_path: Path):
     _fill(a)
     _fill(b)
     names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(f"{t}.parquet" for t in TABLES)
+    assert names == sorted(f"{t}.parquet" for t in TABLES if t not in OPTIONAL_TABLES)
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
@@ -50,11 +58,26 @@ def test_parquet_output_is_byte_identical(tmp_path: Path):
 def test_every_table_is_written_with_its_schema_even_when_empty(tmp_path: Path):
     _fill(tmp_path)
     for table, cols in TABLES.items():
+        if table in OPTIONAL_TABLES:
+            assert not (tmp_path / f"{table}.parquet").exists()    # no rows: no file
+            continue
         t = pq.read_table(tmp_path / f"{table}.parquet")
         assert t.schema.names == [c for c, _ in cols]
         assert t.schema == arrow_schema(table)
     assert pq.read_table(tmp_path / "steps.parquet").num_rows == 0
     assert pq.read_table(tmp_path / "events.parquet").num_rows == 5
+
+
+def test_an_optional_table_with_rows_is_written_and_read_back(tmp_path: Path):
+    sink = ParquetSink(tmp_path)
+    rec = Recorder(sink)
+    rec.add(TierOccupancyRow(1.0, "1:nvme", 3, 1, 0, 4, 10))
+    rec.add(TierOccupancyRow(1.0, "2:fs", 2, 0, 1, 3, None))     # unbounded: null capacity
+    rec.flush()
+    sink.close()
+    t = pq.read_table(tmp_path / "tiers.parquet")
+    assert t.schema == arrow_schema("tiers")
+    assert t.column("capacity_chunks").to_pylist() == [10, None]
 
 
 def test_arrow_types_follow_the_table_types():
@@ -87,7 +110,7 @@ def test_run_writer_writes_the_folder_and_leaves_no_temp(tmp_path: Path):
     target = tmp_path / "results" / "demo"
     assert _write_run(target) == target
     names = sorted(p.name for p in target.iterdir())
-    assert names == sorted([f"{t}.parquet" for t in TABLES]
+    assert names == sorted([f"{t}.parquet" for t in TABLES if t not in OPTIONAL_TABLES]
                            + ["summary.json", "scenario.toml", "run_info.json"])
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["demo"]  # no .tmp / .old left
     summary = json.loads((target / "summary.json").read_text())

@@ -12,7 +12,9 @@ library.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from sim.io.check import (
     CheckCase,
     CheckScenario,
     case_outcomes,
+    case_toml,
     evaluate,
     expand_chunk_states,
     load_check_file,
@@ -221,3 +224,106 @@ def test_a_local_hit_without_prefix_caching_is_refused() -> None:
         case_outcomes(case)
     with pytest.raises(RuntimeError):
         reference_check(case, "old")
+
+
+# -- secondary tiers: a lookup that misses the CPU cache and hits a tier promotes and defers --
+
+
+def with_tiers(case: CheckCase, rng: random.Random) -> CheckCase:
+    """``case`` with one or two secondary tiers holding random chunks (present or
+    with their write in flight), some of the CPU's present chunks moved out of
+    the CPU (so that a lookup may promote them), and the CPU sized by default."""
+    n = case.num_tokens
+    tiers = rng.choice([1, 1, 2])
+    share = rng.choice([0.2, 0.5, 0.9])
+    held = [(t, g, j, "present" if rng.random() < 0.85 else "pending")
+            for t in range(tiers) for g in range(len(case.groups))
+            for j in range(n // case.tpc(g)) if rng.random() < share]
+    states = tuple(s for s in case.states if not (s[2] == "present" and rng.random() < 0.4))
+    return dataclasses.replace(case, states=states, tiers=tiers, tier_states=tuple(sorted(held)),
+                               cpu_capacity_chunks=None)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**20), st.integers(0, 2**30))
+def test_kernel_equals_the_reference_with_tiers(seed: int, index: int) -> None:
+    """The kernel's promotions (a table whose lookups promote) against the real
+    TieredCache behind the real scheduler: the same outcomes and the same
+    promotions, under both logics, also through the validated scenario."""
+    case = with_tiers(scenario_at(seed, index), random.Random(index))
+    assert case.valid()
+    assert_same(case)
+    assert case.to_scenario().case() == case          # check_data round-trips the tiers
+
+
+def test_tiers_non_vacuity() -> None:
+    """The tiered stream meets promotions that defer, promotions whose deferral
+    a later shrink of the hit dropped, loads, and crashes (a crash on a chunk
+    only a tier holds, OLD's never-looked-up chunk: the tiered example file)."""
+    seen: set[str] = set()
+    for i in range(900):       # crashes are rare here: most tier-held chunks defer the lookup
+        case = with_tiers(scenario_at(11, i), random.Random(i))
+        outs = case_outcomes(case)
+        if i % 4 == 0:
+            assert outs == reference(case), i
+        for o in outs.values():
+            if o["promotions"]:
+                seen.add("promote_defer" if o["external_tokens"] is None else "promote_then_answer")
+            elif o["load_async"]:
+                seen.add("load")
+            if o["crash"] is not None:
+                seen.add("crash")
+    assert seen >= {"promote_defer", "promote_then_answer", "load", "crash"}, seen
+
+
+def test_a_chunk_only_a_tier_holds_is_promoted_and_the_request_defers() -> None:
+    full = (GroupSpec(GroupKind.FULL, 16),)
+    # 4 chunks of 16 tokens: 0, 1 in CPU memory, 2 only on the tier, 3 nowhere
+    case = CheckCase(full, 16, 1, 70, states=((0, 0, "present"), (0, 1, "present")), tiers=1,
+                     tier_states=((0, 0, 2, "present"), (0, 0, 3, "pending")))
+    want = {"external_tokens": None, "load_async": False, "load_keys": [], "group_sizes": [],
+            "block_indices": [], "crash": None, "hazards": [], "promotions": [[1, 0, 2]]}
+    assert case_outcomes(case) == reference(case) == {"old": want, "new": want}
+    # the same chunk in CPU memory: a plain hit of 3 chunks, no promotion
+    cpu = dataclasses.replace(case, states=((0, 0, "present"), (0, 1, "present"), (0, 2, "present")))
+    plain = case_outcomes(cpu)["new"]
+    assert plain["external_tokens"] == 48 and plain["promotions"] == []
+    # a second tier behind the first: the first that holds a chunk promotes it
+    two = dataclasses.replace(case, tiers=2, tier_states=((0, 0, 2, "pending"), (1, 0, 2, "present")))
+    assert case_outcomes(two)["old"]["promotions"] == [[2, 0, 2]] == reference(two)["old"]["promotions"]
+    # without tiers the outcome has no promotions key at all (kvsim check output unchanged)
+    assert "promotions" not in case_outcomes(dataclasses.replace(case, tiers=0, tier_states=()))["old"]
+
+
+TIERED = ROOT / "scenarios" / "check" / "tiers-s6-left-chunk-on-nvme.toml"
+
+
+def test_the_tiered_example_holds_its_hand_worked_expectations() -> None:
+    _, items = load_check_file(TIERED)
+    sc = parse_check(items[0], str(TIERED))
+    case = sc.case(str(TIERED))
+    assert case.tiers == 1 and case.tier_states == ((0, 1, 14, "present"),)
+    outcomes, mismatches = evaluate(sc, str(TIERED))
+    assert not mismatches and outcomes == reference(case)
+    assert outcomes["new"]["promotions"] == [[1, 1, 14]]
+    assert outcomes["old"]["crash"]["kind"] == "missing_chunk"
+    text = case_toml(case, name="x", window_logic="both", expect={})
+    assert parse_check(tomllib.loads(text), "x").case("x") == case      # the writer states the tiers
+
+
+@pytest.mark.parametrize(("tiers", "where"), [
+    ([{"chunk_states": {"1": {"14": "loading"}}}], r"tiers\.0\.chunk_states\.1\.14: 'loading' is invalid"),
+    ([{"chunk_states": {"5": {"14": "present"}}}], r"tiers\.0\.chunk_states\.5: unknown group"),
+    ([{"chunk_states": {"1": {"14..99": "present"}}}], r"tiers\.0\.chunk_states\.1\.14\.\.99: chunk 99"),
+    ([{}, {"chunk_states": {"1": {"1..4": "present", "4": "pending"}}}],
+     r"tiers\.1\.chunk_states\.1: ranges"),
+    ([{"colour": 1}], r"tiers\.0\.colour: unknown key; allowed: chunk_states"),
+    ([{"chunk_states": {"1": {"0..13": "present"}}}], r"cpu_capacity_chunks: 9 stated chunks and 14 chunks"),
+])
+def test_bad_tier_contents_are_one_located_line(tiers: list[dict[str, Any]], where: str) -> None:
+    data = {**S6, "chunk_states": {"0": {"0..3": "present"}, "1": {"15": "present"},
+                                   "2": {"118..121": "present"}},
+            "cpu_capacity_chunks": 20, "tiers": tiers}
+    with pytest.raises(InputError, match=where) as info:
+        parse_check(data, "bad")
+    assert "\n" not in str(info.value)

@@ -90,6 +90,27 @@ def test_a_chunk_only_in_a_tier_is_promoted_while_the_lookup_answers_hit_pending
     assert (c.promotion_jobs, c.read_chunks, c.promoted_chunks_loaded) == (1, 1, 1)
 
 
+def test_a_hit_is_split_over_its_loads_chunks_resident_or_promoted() -> None:
+    cache = tiered(2)
+    store(cache, A)
+    finish_all(cache)
+    store(cache, B)
+    finish_all(cache)
+    store(cache, C)                                  # evicts A from the 2-slot CPU tier
+    finish_all(cache)
+    assert cache.lookup(A) is HIT_PENDING            # promoted (evicting B) ...
+    finish_all(cache)
+    cache.prepare_load([A, C])                       # ... then loaded with C, resident
+    cache.attribute_hit(48)                          # a hit of 48 tokens on that load
+    assert (cache.counters[0].promoted_hit_tokens, cache.resident_hit_tokens) == (24.0, 24.0)
+    cache.complete_load([A, C])
+    cache.prepare_load([A])                          # A again: resident now
+    cache.attribute_hit(16)
+    assert (cache.counters[0].promoted_hit_tokens, cache.resident_hit_tokens) == (24.0, 40.0)
+    cache.attribute_hit(8)                           # no load recorded: counted resident
+    assert cache.resident_hit_tokens == 48.0
+
+
 def test_a_promotion_with_no_cpu_room_is_a_miss() -> None:
     cache = tiered(1)
     store(cache, A)

@@ -120,8 +120,15 @@ def test_01_capacity_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, t
     for p in overloaded:                                              # the answer names each one, and why
         assert f"point {p} (" in answer
     assert "not considered" in answer and "rejected" in answer and "among stable points" in answer
-    assert _images(nb) == 2  # hit rate vs CPU RAM, TTFT CDFs
+    # the tiers what-if, SMALL: its --smoke form (the first and the last of its 36 points)
+    t = k["tiers"]
+    assert t["points"] == 2 and t["failed"] == 0
+    assert set(t["best_hit_rate"]) == {"64 GiB", "512 GiB"}
+    assert t["best_hit_rate"]["64 GiB"].keys() == {"no tier"}
+    assert t["best_hit_rate"]["512 GiB"].keys() == {"pm1743 4TiB"}
+    assert _images(nb) == 3  # hit rate vs CPU RAM, TTFT CDFs, the tiers what-if
     assert (tmp_path / "01_capacity_planning" / "hit_rate_vs_cpu.png").is_file()
+    assert (tmp_path / "01_capacity_planning" / "tiers_whatif.png").is_file()
 
 
 @pytest.mark.slow

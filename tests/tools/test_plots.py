@@ -283,6 +283,34 @@ def test_sweep_with_another_varying_key_names_it(folders: dict[str, Path]) -> No
     assert fig.legends[0].get_title().get_text() == "policy, workload.sessions"
 
 
+def _tiers_table() -> Any:
+    """A tiers what-if's table: 2 sizes x {no tier, 1 TiB} x {LRU, Belady}, one point overloaded."""
+    rows = []
+    for size in (64, 512):
+        for tiers in ("[]", '[{"capacity": "1TiB", "device": "pm1743"}]'):
+            for pol in ("lru", "belady"):
+                hit = 0.05 * (size == 512) + 0.1 * (tiers != "[]") + 0.02 * (pol == "belady")
+                rows.append({"point": len(rows), "run_id": f"{len(rows):03d}", "status": "ok",
+                             "cpu_cache_bytes": size * 2**30, "cpu_cache_policy": pol, "tiers": tiers,
+                             "cpu_hit_rate": hit, "ttft_s_p50": 2.0 - hit, "ttft_s_p90": 8.0 - hit,
+                             "overloaded": len(rows) == 0})
+    return pd.DataFrame(rows)
+
+
+def test_the_tiers_whatif_figure() -> None:
+    fig = plots.tiers_whatif(_tiers_table())
+    _assert_clean(fig)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["LRU, no tier", "Belady, no tier", "LRU, pm1743 1TiB", "Belady, pm1743 1TiB",
+                      "overloaded (queue grows: TTFT not usable)"]
+    hit, p50, p90 = fig.axes
+    assert [ax.get_yscale() for ax in (hit, p50, p90)] == ["linear", "log", "log"]
+    assert p90.get_ylabel() == "TTFT p90 (s)" and "8 points" in fig.get_suptitle()
+    assert plots.tier_label("[]") == "no tier"
+    assert plots.tier_label([{"kind": "nvme", "chunks": 10}, {"device": "net-400g"}]) == \
+        "nvme 10 + net-400g (unbounded)"
+
+
 # -- writing the files and the command line ------------------------------------------------------
 
 
