@@ -268,6 +268,11 @@ class RealVllmScheduler:
         self.sched = v["VScheduler"](vllm_config=vcfg, kv_cache_config=kv_config, log_stats=False,
                                      structured_output_manager=v["StructuredOutputManager"](vcfg),
                                      block_size=block_size, hash_block_size=hash_size)
+        #: the connector's lookups, (request, local hit tokens, external tokens or None, async),
+        #: appended while a list (as :attr:`sim.model.scheduler.Scheduler.lookup_log`)
+        self.lookup_log: list[tuple[str, int, int | None, bool]] | None = None
+        #: the CPU manager's evicted keys, appended while a list (the differential mode)
+        self.evicted_log: list[bytes] | None = None
         self.worker: Any = None
         self.wconn: Any = None
         self.conn_sched: Any = None
@@ -340,12 +345,15 @@ class RealVllmScheduler:
     # -- observing vLLM (never deciding) ---------------------------------------------
 
     def _watch_lookups(self) -> None:
-        """Count what the connector's lookup answered per request (hits, deferrals)."""
+        """Count what the connector's lookup answered per request (hits, deferrals); keep the
+        lookups and the CPU manager's evictions while the differential mode asks for them."""
         conn = self.sched.connector
         real = conn.get_num_new_matched_tokens
 
         def lookup(request: Any, num_computed_tokens: int) -> Any:
             ext, load_async = real(request, num_computed_tokens)
+            if self.lookup_log is not None:
+                self.lookup_log.append((request.request_id, num_computed_tokens, ext, bool(load_async)))
             r = self.requests.get(request.request_id)
             if r is not None:
                 if ext is None:
@@ -374,6 +382,17 @@ class RealVllmScheduler:
 
         conn.get_num_new_matched_tokens = lookup
         conn.update_state_after_alloc = after_alloc
+
+        mgr = self.conn_sched.manager
+        real_store = mgr.prepare_store
+
+        def prepare_store(*args: Any, **kwargs: Any) -> Any:
+            out = real_store(*args, **kwargs)
+            if self.evicted_log is not None and out is not None:
+                self.evicted_log.extend(out.evicted_keys)
+            return out
+
+        mgr.prepare_store = prepare_store
 
     # -- requests ----------------------------------------------------------------------
 

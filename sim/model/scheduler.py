@@ -605,6 +605,13 @@ class Scheduler:
         self.now = 0.0
         self._broke_deadlock = False
         self._loads_this_step = 0
+        #: (request, local hit tokens, external tokens (None: deferred), load async) of each
+        #: connector lookup, appended while it is a list (the differential mode reads and
+        #: clears it every step; None: not kept)
+        self.lookup_log: list[tuple[str, int, int | None, bool]] | None = None
+        #: (request, time): snapshot that request's lookup at that time as a reproducer
+        #: (the differential mode's check/1 file of a diverging lookup; None: none)
+        self.snapshot_lookup: tuple[str, float] | None = None
         #: per group, the most blocks the full-input admission check requires (None: off)
         self.admit_caps = admission_caps(layout, cfg.max_num_batched_tokens) if cfg.reserve_full_isl else None
 
@@ -762,6 +769,7 @@ class Scheduler:
         load_async = False
         if conn is not None and not r.no_external:
             m = conn.get_num_new_matched_tokens(r, local_tokens)
+            self._log_lookup(r, local_tokens, m.tokens, m.load_async)
             if m.tokens is None:
                 self._count_deferral(r, m.defer_reason or "unknown")
                 return _DEFER
@@ -801,6 +809,14 @@ class Scheduler:
         self._commit(r, comp + num_new)
         r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
         return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
+
+    def _log_lookup(self, r: LiveRequest, local_tokens: int, ext: int | None, load_async: bool) -> None:
+        """The differential mode's record of a lookup (and its snapshot, when asked for)."""
+        if self.lookup_log is None:
+            return
+        self.lookup_log.append((r.req_id, local_tokens, ext, load_async))
+        if self.snapshot_lookup == (r.req_id, self.now):  # what the lookup met (not changed by it)
+            self._reproduce(r, local_tokens, "divergence", "lookup", (), ())
 
     def _allocate_new(self, r: LiveRequest, local: Any, local_tokens: int, ext: int,
                       num_slots: int) -> Allocation | None:
