@@ -17,7 +17,8 @@ What it does
       tokens or None when deferred, whether the load is asynchronous);
     * ``scheduled``: tokens scheduled in the forward pass;
     * ``blocks``: per group, (entries in the request's block table, real
-      blocks among them) after the step's allocation;
+      blocks among them, the last real block's id) after the step's
+      allocation;
     * ``load_keys`` / ``store_keys``: the CPU chunks of the request's load and
       store jobs, as ``(hash, group)``;
     * ``preempted``;
@@ -207,10 +208,15 @@ class WatchingRecorder(Recorder):
         return out
 
 
-def _blocks(ids: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
-    """Per group: (entries, real blocks) of a block table (0 is the null block on both sides)."""
-    lists = [list(g) for g in ids]
-    return tuple((len(g), sum(1 for b in g if b != 0)) for g in lists)
+def _blocks(ids: Iterable[Iterable[int]]) -> tuple[tuple[int, int, int], ...]:
+    """Per group: (entries, real blocks, the last real block's id) of a block table (0 is the
+    null block on both sides; kvsim's pool hands out the ids vLLM's does, so a block taken
+    from another place in the free queue shows at once)."""
+    out = []
+    for g in ids:
+        real = [b for b in g if b != 0]
+        out.append((len(g), len(real), real[-1] if real else 0))
+    return tuple(out)
 
 
 def model_decisions(engine: Engine, plan: StepPlan, crashes: tuple[tuple[str, str], ...]) -> StepDecisions:
@@ -471,7 +477,8 @@ class NullSink:
 def simulate_differential(config: EngineConfig, requests: Callable[[], Iterable[Request]],
                           recorder: WatchingRecorder, *, folder: Path | None = None,
                           progress: Callable[[int, float], None] | None = None,
-                          stand_in: EngineConfig | None = None) -> tuple[SimulationResult, DifferentialReport]:
+                          stand_in: EngineConfig | None = None,
+                          ) -> tuple[SimulationResult, DifferentialReport]:
     """kvsim's model and real vLLM in lockstep; kvsim's rows go to ``recorder``.
 
     At the first divergence both runs stop (status ``diverged``); ``folder``, when

@@ -507,7 +507,8 @@ class GpuKVCache:
         return slots, comp
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
-        """Give every complete, real block below ``num_tokens`` its hash
+        """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
+        coordinator does: :meth:`~sim.model.layout.Layout.cacheable_tokens`) its hash
         (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
         lists = self.req_blocks[req_id]
         done = self._committed[req_id]
@@ -517,7 +518,7 @@ class GpuKVCache:
         masks = self.layout.gpu_cache_masks
         for g, blocks in enumerate(lists):
             hpb = self._hpb[g]
-            n = min(num_tokens // self._bs[g], len(blocks), nh // hpb)
+            n = min(self.layout.cacheable_tokens(g, num_tokens) // self._bs[g], len(blocks), nh // hpb)
             mask = masks[g]
             for i in range(done[g], n):
                 if mask is not None and not (i >= mask[2] and (i - mask[2]) % mask[0] >= mask[0] - mask[1]):

@@ -847,17 +847,21 @@ class GpuFastCache:
         return slots, comp
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
-        """Give every complete, real block below ``num_tokens`` its hash
+        """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
+        coordinator does: :meth:`~sim.model.layout.Layout.cacheable_tokens`) its hash
         (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
         t = self._tables[req_id]
         done = t.done
         nh = len(block_hashes)
         pool = self.pool
         bhash = pool.bhash
-        masks = self.layout.gpu_cache_masks
+        layout = self.layout
+        masks = layout.gpu_cache_masks
+        align = layout.gpu_cache_align
         for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
             d = done[g]
-            n = min(num_tokens // bs, len(blocks), nh // hpb)
+            upto = num_tokens if align is None else layout.cacheable_tokens(g, num_tokens)
+            n = min(upto // bs, len(blocks), nh // hpb)
             if n <= d:
                 continue
             done[g] = n

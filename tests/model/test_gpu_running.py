@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuKVCache
+from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from tests.helpers import fa, swa
 
@@ -126,3 +127,41 @@ def test_window_hit_scan_equals_the_definition(kind: str, bs: int, window: int, 
             gpu.pool.free([b])
     max_tokens = data.draw(st.integers(0, n * bs))
     assert gpu._group_hit(1, hashes, max_tokens) == _reference_window_hit(gpu, 1, hashes, max_tokens)
+
+
+def _hashed(gpu: GpuKVCache | GpuFastCache, req: str) -> list[list[bool]]:
+    """Per group, whether each block of ``req`` carries a hash."""
+    if isinstance(gpu, GpuFastCache):
+        return [[b != NULL_BLOCK_ID and gpu.pool.bhash[b] is not None for b in ids]
+                for ids in gpu.block_ids(req)]
+    return [[b.block_hash is not None for b in blocks] for blocks in gpu.req_blocks[req]]
+
+
+def test_hybrid_layouts_hash_up_to_the_scheduler_block_size() -> None:
+    """vLLM's hybrid coordinator caches a request's blocks only up to its computed tokens
+    rounded down to the scheduler block size (the groups' least common multiple, 32 here;
+    ``_align_cacheable``, 0.29 to 0.33), an EAGLE group one block further; one group
+    caches every complete block. Found by the differential mode: kvsim hashed a decoding
+    request's blocks past the boundary, so they went to the tail of the free queue when it
+    finished where vLLM's (unhashed) went to the head, and later block ids, and a flush,
+    differed."""
+    layout = Layout.of([fa(32), fa(8, eagle=True), fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    assert layout.gpu_cache_align == 32
+    assert [layout.cacheable_tokens(g, 60) for g in range(3)] == [32, 40, 32]
+    assert [layout.cacheable_tokens(g, 20) for g in range(3)] == [0, 0, 0]
+    hashes = _hashes(16)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 64)
+        assert gpu.allocate_new("r", ([], [], []), 0, 0, 60) is not None
+        gpu.commit("r", hashes, 60)
+        assert _hashed(gpu, "r") == [[True, False], [True] * 5 + [False] * 3, [True] * 4 + [False] * 4], cls
+        assert gpu.allocate_more("r", 60, 64) is not None
+        gpu.commit("r", hashes, 64)   # the boundary at 64: every complete block
+        assert _hashed(gpu, "r") == [[True, True], [True] * 8, [True] * 8], cls
+    one = Layout.of([fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    assert one.gpu_cache_align is None and one.cacheable_tokens(0, 60) == 60
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(one, 64)
+        assert gpu.allocate_new("r", ([],), 0, 0, 60) is not None
+        gpu.commit("r", hashes, 60)
+        assert _hashed(gpu, "r") == [[True] * 7 + [False]], cls
