@@ -62,10 +62,10 @@ import dataclasses
 import math
 import tomllib
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from sim.engine.loop import Engine, EngineConfig, SimulationResult
 from sim.engine.metrics import EventRow, Recorder, Sink
@@ -82,6 +82,7 @@ FIELDS = ("lookup", "scheduled", "blocks", "load_keys", "store_keys", "preempted
 STEP_FIELDS = ("evicted", "flushed")
 
 Key = tuple[int, int]
+Logic = Literal["old", "new", "latest"]
 
 
 def key_of_vllm(key: bytes) -> Key:
@@ -208,7 +209,7 @@ class WatchingRecorder(Recorder):
         return out
 
 
-def _blocks(ids: Iterable[Iterable[int]]) -> tuple[tuple[int, int, int], ...]:
+def _blocks(ids: Iterable[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
     """Per group: (entries, real blocks, the last real block's id) of a block table (0 is the
     null block on both sides; kvsim's pool hands out the ids vLLM's does, so a block taken
     from another place in the free queue shows at once)."""
@@ -311,7 +312,7 @@ class Lockstep:
             from sim.model.real_vllm import SUPPORTED_VERSIONS, installed_version  # noqa: PLC0415
 
             version = installed_version()
-            logic = SUPPORTED_VERSIONS.get(version, "latest")
+            logic = cast("Logic", SUPPORTED_VERSIONS.get(version, "latest"))
         else:
             version, logic = "stand-in", cfg.window_logic
         # kvsim's side first: it reads the first stream (a run's, guarded for bad input)

@@ -1060,10 +1060,16 @@ class Scheduler:
 
     def _finish(self, r: LiveRequest) -> None:
         """A stop condition: the request leaves the batch; its blocks are freed
-        now, its final stores come with the next step (then it is released)."""
+        now, its final stores come with the next step (then it is released).
+        With offloading, the window blocks it no longer attends over are freed
+        first, on their own (vLLM's ``_connector_finished`` calls
+        ``remove_skipped_blocks`` before the connector sees the request): they
+        reach the head of the free queue before the rest of its blocks."""
         self.running.remove(r)
         r.status = _FINISHED
         r.finish_s = self.now
+        if self.conn is not None:
+            self.gpu.remove_skipped(r.req_id, r.num_computed)
         if self.conn is not None and self.conn.has_request(r.req_id):
             self.conn.request_finished(r.req_id)
             self.finished_pending.append(r)
