@@ -551,6 +551,17 @@ class GpuFastCache:
             return (max(0, (num_tokens - 1) // bs), end)
         return (spec.skipped_tokens(num_tokens) // bs, end)
 
+    def hit_first(self, g: int, num_tokens: int) -> int:
+        """The first block a prefix-cache hit of ``num_tokens`` needs in group ``g``: the
+        retained range's, except that a sliding window's hit needs its window alone,
+        without ``extra_retained_tokens`` (vLLM's ``_contiguous_blocks_for_hit``,
+        ``cdiv(W - 1, block size)`` blocks, 0.29 to 0.33)."""
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.SLIDING_WINDOW and spec.extra_retained_tokens:
+            assert spec.window is not None
+            return max(0, num_tokens - spec.window + 1) // self._bs[g]
+        return self.retained_range(g, num_tokens)[0]
+
     def next_skip(self, g: int, skipped: int) -> int:
         """Smallest computed-token count at which group ``g`` drops more than
         ``skipped`` leading blocks; a large number for full attention."""
@@ -626,7 +637,7 @@ class GpuFastCache:
                 if self.retained_range(g, end * bs)[0] >= end:
                     return end
             return 0
-        if (spec.window or 0) + spec.extra_retained_tokens <= 1:
+        if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
             return n
         return 0
 
@@ -641,14 +652,14 @@ class GpuFastCache:
             j = i
             while j > 0 and self._is_cached(g, block_hashes, j - 1):
                 j -= 1
-            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+            if self.hit_first(g, (i + 1) * bs) >= j:
                 return (i + 1) * bs
             i = j - 2
         return empty * bs
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[int]:
         n = hit // self._bs[g]
-        first, _ = self.retained_range(g, hit)
+        first = self.hit_first(g, hit)
         if self.layout.groups[g].kind is GroupKind.FULL:
             first = 0
         out = [NULL_BLOCK_ID] * n

@@ -44,6 +44,9 @@ Simplifications (of the driving, not of vLLM's decisions)
       the crash is an ``events`` row and the request's ``crash`` column.
     * Synchronous scheduling (no async scheduling, no speculative decoding
       tokens), greedy single-token outputs with ``ignore_eos``.
+    * A completed transfer's chunks reach vLLM's CPU manager in the order the
+      job was prepared in, not in the per-process order of vLLM's ``set`` of
+      keys (see :meth:`RealVllmScheduler._watch_lookups`).
 
 Invariants
     * :meth:`RealVllmScheduler.invariant_problems` at the end of a completed
@@ -346,7 +349,14 @@ class RealVllmScheduler:
 
     def _watch_lookups(self) -> None:
         """Count what the connector's lookup answered per request (hits, deferrals); keep the
-        lookups and the CPU manager's evictions while the differential mode asks for them."""
+        lookups and the CPU manager's evictions while the differential mode asks for them.
+
+        vLLM's connector hands a completed job's keys to its CPU manager as a ``set`` of
+        bytes, whose order Python randomises per process (``PYTHONHASHSEED``): the order in
+        which the chunks of one store become evictable, so which of them an LRU or ARC
+        eviction takes first, would change from run to run. The manager gets them in the
+        order the job was prepared in (as kvsim's model marks them), which makes the run
+        deterministic."""
         conn = self.sched.connector
         real = conn.get_num_new_matched_tokens
 
@@ -384,15 +394,31 @@ class RealVllmScheduler:
         conn.update_state_after_alloc = after_alloc
 
         mgr = self.conn_sched.manager
-        real_store = mgr.prepare_store
+        real_store, real_load = mgr.prepare_store, mgr.prepare_load
+        real_stored, real_loaded = mgr.complete_store, mgr.complete_load
+        #: each key's place in the last store or load that named it (see :meth:`_job_order`)
+        rank: dict[bytes, int] = {}
 
-        def prepare_store(*args: Any, **kwargs: Any) -> Any:
-            out = real_store(*args, **kwargs)
-            if self.evicted_log is not None and out is not None:
-                self.evicted_log.extend(out.evicted_keys)
+        def prepare_store(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real_store(keys, *args, **kwargs)
+            if out is not None:
+                rank.update((k, i) for i, k in enumerate(out.keys_to_store))
+                if self.evicted_log is not None:
+                    self.evicted_log.extend(out.evicted_keys)
             return out
 
-        mgr.prepare_store = prepare_store
+        def prepare_load(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            rank.update((k, i) for i, k in enumerate(keys))
+            return real_load(keys, *args, **kwargs)
+
+        def complete_store(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return real_stored(sorted(keys, key=lambda k: rank.pop(k, 0)), *args, **kwargs)
+
+        def complete_load(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return real_loaded(sorted(keys, key=lambda k: rank.get(k, 0)), *args, **kwargs)
+
+        mgr.prepare_store, mgr.prepare_load = prepare_store, prepare_load
+        mgr.complete_store, mgr.complete_load = complete_store, complete_load
 
     # -- requests ----------------------------------------------------------------------
 

@@ -100,10 +100,10 @@ def test_below_thresholds_nothing_changes(layout: Layout, prompt: int, steps: li
 
 
 def _reference_window_hit(gpu: GpuKVCache, g: int, hashes: list[int], max_tokens: int) -> int:
-    """The plain definition: the largest boundary whose retained blocks are all cached."""
+    """The plain definition: the largest boundary whose hit blocks are all cached."""
     bs = gpu.layout.groups[g].tokens_per_block
     for end in range(max_tokens // bs, 0, -1):
-        first, _ = gpu.retained_range(g, end * bs)
+        first = gpu.hit_first(g, end * bs)
         if all(gpu.pool.cached((hashes[(i + 1) * (bs // 8) - 1], g)) is not None for i in range(first, end)):
             return end * bs
     return 0
@@ -165,3 +165,24 @@ def test_hybrid_layouts_hash_up_to_the_scheduler_block_size() -> None:
         assert gpu.allocate_new("r", ([],), 0, 0, 60) is not None
         gpu.commit("r", hashes, 60)
         assert _hashed(gpu, "r") == [[True] * 7 + [False]], cls
+
+
+def test_a_window_hit_needs_the_window_without_its_extra_retained_tokens() -> None:
+    """vLLM's sliding-window prefix hit needs the last ``cdiv(W - 1, block size)`` blocks
+    before the boundary cached (``_contiguous_blocks_for_hit``, 0.29 to 0.33), not the
+    ``extra_retained_tokens`` the group keeps while running: with W = 32, 8-token blocks
+    and 6 extra tokens a hit at 64 tokens needs blocks 4..7, not 3..7, and hands out those
+    four. Found by the differential mode on the DeepSeek-V4-style MTP layout (vLLM hit 512
+    tokens on the GPU where kvsim's model hit none)."""
+    layout = Layout.of([swa(8, 32, extra=6)], tokens_per_hash=8, blocks_per_chunk=1)
+    hashes = _hashes(8)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 64)
+        assert gpu.allocate_new("a", ([],), 0, 0, 64) is not None
+        gpu.commit("a", hashes, 64)
+        gpu.free("a")
+        hit, lists = gpu.find_hit(hashes, 64)
+        assert hit == 64, cls
+        ids = [b if isinstance(b, int) else b.block_id for b in lists[0]]
+        assert [b != NULL_BLOCK_ID for b in ids] == [False] * 4 + [True] * 4, cls
+        assert gpu.hit_first(0, 64) == 4 and gpu.retained_range(0, 64)[0] == 3, cls
