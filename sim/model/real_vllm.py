@@ -46,7 +46,7 @@ Simplifications (of the driving, not of vLLM's decisions)
       tokens), greedy single-token outputs with ``ignore_eos``.
     * A completed transfer's chunks reach vLLM's CPU manager in the order the
       job was prepared in, not in the per-process order of vLLM's ``set`` of
-      keys (see :meth:`RealVllmScheduler._watch_lookups`).
+      keys (see :meth:`RealVllmScheduler._watch_manager`).
 
 Invariants
     * :meth:`RealVllmScheduler.invariant_problems` at the end of a completed
@@ -287,6 +287,7 @@ class RealVllmScheduler:
             self.wconn.connector_worker.worker = self.worker
             self.conn_sched = self.sched.connector.connector_scheduler
             self._watch_lookups()
+            self._watch_manager()
         self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
         self._block_pieces = [pieces_per_block(g, cfg.transfer_piece) for g in layout.groups]
@@ -349,14 +350,7 @@ class RealVllmScheduler:
 
     def _watch_lookups(self) -> None:
         """Count what the connector's lookup answered per request (hits, deferrals); keep the
-        lookups and the CPU manager's evictions while the differential mode asks for them.
-
-        vLLM's connector hands a completed job's keys to its CPU manager as a ``set`` of
-        bytes, whose order Python randomises per process (``PYTHONHASHSEED``): the order in
-        which the chunks of one store become evictable, so which of them an LRU or ARC
-        eviction takes first, would change from run to run. The manager gets them in the
-        order the job was prepared in (as kvsim's model marks them), which makes the run
-        deterministic."""
+        lookups while the differential mode asks for them."""
         conn = self.sched.connector
         real = conn.get_num_new_matched_tokens
 
@@ -393,6 +387,16 @@ class RealVllmScheduler:
         conn.get_num_new_matched_tokens = lookup
         conn.update_state_after_alloc = after_alloc
 
+    def _watch_manager(self) -> None:
+        """Keep the CPU manager's evictions while the differential mode asks for them, and
+        hand it a completed job's keys in a reproducible order.
+
+        vLLM's connector hands a completed job's keys to its CPU manager as a ``set`` of
+        bytes, whose order Python randomises per process (``PYTHONHASHSEED``): the order in
+        which the chunks of one store become evictable, so which of them an LRU or ARC
+        eviction takes first, would change from run to run. The manager gets them in the
+        order the job was prepared in (as kvsim's model marks them), which makes the run
+        deterministic."""
         mgr = self.conn_sched.manager
         real_store, real_load = mgr.prepare_store, mgr.prepare_load
         real_stored, real_loaded = mgr.complete_store, mgr.complete_load
