@@ -16,9 +16,9 @@ What it does
     * ``lookup``: the connector's answer, (local GPU hit tokens, external
       tokens or None when deferred, whether the load is asynchronous);
     * ``scheduled``: tokens scheduled in the forward pass;
-    * ``blocks``: per group, (entries in the request's block table, real
-      blocks among them, the last real block's id) after the step's
-      allocation;
+    * ``blocks``: per group, (entries, real blocks, a digest of the ids) of
+      the block ids the step gave the request: its whole table when it was
+      admitted (or resumed, or admitted with a load), else the new ones;
     * ``load_keys`` / ``store_keys``: the CPU chunks of the request's load and
       store jobs, as ``(hash, group)``;
     * ``preempted``;
@@ -210,13 +210,14 @@ class WatchingRecorder(Recorder):
 
 
 def _blocks(ids: Iterable[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
-    """Per group: (entries, real blocks, the last real block's id) of a block table (0 is the
-    null block on both sides; kvsim's pool hands out the ids vLLM's does, so a block taken
-    from another place in the free queue shows at once)."""
+    """Per group: (entries, real blocks, a digest of the ids) of the block ids a step gave a
+    request (its whole table when it was admitted or resumed, else the new ones; 0 is the
+    null block on both sides). kvsim's pool hands out the ids vLLM's does, so a block taken
+    from another place in the free queue shows at once."""
     out = []
     for g in ids:
-        real = [b for b in g if b != 0]
-        out.append((len(g), len(real), real[-1] if real else 0))
+        t = tuple(g)
+        out.append((len(t), len(t) - t.count(0), hash(t)))
     return tuple(out)
 
 
@@ -240,9 +241,13 @@ def model_decisions(engine: Engine, plan: StepPlan, crashes: tuple[tuple[str, st
         d["store_keys"] = tuple(sorted((*d.get("store_keys", ()), *j.plan.keys)))
         evicted.extend(getattr(j.plan, "evicted", ()))
     gpu = sched.gpu
-    for rid, d in reqs.items():
-        if ("scheduled" in d or "load_keys" in d) and rid in gpu.req_blocks:
-            d["blocks"] = _blocks(gpu.block_ids(rid))
+    whole = {r.req_id for r in plan.admitted}
+    for r, _, new in plan.scheduled:
+        if r.req_id not in whole and new is not None and any(new):
+            reqs[r.req_id]["blocks"] = _blocks(new)
+    for rid in whole:
+        if rid in gpu.req_blocks:
+            reqs[rid]["blocks"] = _blocks(gpu.block_ids(rid))
     return StepDecisions(engine.env.now, dict(reqs), tuple(sorted(evicted)), len(plan.flush), crashes)
 
 
@@ -276,10 +281,15 @@ def vllm_decisions(engine: Any, step: Any, crashes: tuple[tuple[str, str], ...])
             keys = (key_of_vllm(k) for k in jobs[jid].keys)
             d["store_keys"] = tuple(sorted((*d.get("store_keys", ()), *keys)))
         flushed = len(getattr(meta, "jobs_to_flush", None) or ())
+    for q in out.scheduled_new_reqs:
+        reqs[q.req_id]["blocks"] = _blocks(q.block_ids)
+    cached = out.scheduled_cached_reqs
+    for rid, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if new is not None and any(new):
+            reqs[rid]["blocks"] = _blocks(new)
     mgr = real.sched.kv_cache_manager
-    live = real.sched.requests
-    for rid, d in reqs.items():
-        if ("scheduled" in d or "load_keys" in d) and rid in live:
+    for rid, d in reqs.items():   # admitted with a load: not scheduled, its whole table
+        if "load_keys" in d and "blocks" not in d and rid in real.sched.requests:
             d["blocks"] = _blocks(mgr.get_block_ids(rid))
     return StepDecisions(engine.env.now, dict(reqs), evicted, flushed, crashes)
 
