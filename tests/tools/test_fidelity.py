@@ -100,7 +100,7 @@ def _lockstep(tmp: Path, *other_sets: str,
 def test_lockstep_of_the_same_run_has_no_divergence(tmp_path: Path) -> None:
     result, rep = _lockstep(tmp_path, folder=tmp_path)
     assert result.status == "ok" and rep.status == {"kvsim": "ok", "vllm": "ok"}
-    assert rep.divergence is None and rep.steps > 100 and rep.decisions > 3 * rep.steps
+    assert rep.divergence is None and rep.steps > 100 and rep.decisions > 2 * rep.steps
     assert describe(rep.to_dict())[0].endswith(f"0 divergences in {rep.decisions} decisions ({rep.steps} "
                                                "steps; known, from listed simplifications: none)")
     assert not (tmp_path / "divergence.json").exists()
