@@ -114,7 +114,7 @@ from sim.model.costs import (
 )
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.future import FutureUses
-from sim.model.gpu_cache import Allocation, Block, GpuKVCache
+from sim.model.gpu_cache import NULL_BLOCK_ID, Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.request import LiveRequest, Request, RequestStatus
@@ -655,6 +655,16 @@ class Scheduler:
             self._schedule_waiting(budget, sched, loads, admitted, allocated)
         if self.stopped:
             return StepPlan(stopped=True)
+        if self.conn is not None:
+            # vLLM's connector counts every block of an admitted request as allocated this
+            # step, its prefix-cache hits included (the whole block table of a newly
+            # scheduled request; every block handed to update_state_after_alloc)
+            gpu = self.gpu
+            for r in admitted:
+                if r.req_id in gpu.req_blocks:
+                    for ids in gpu.block_ids(r.req_id):
+                        allocated.update(ids)
+            allocated.discard(NULL_BLOCK_ID)
         flush, stores = self._connector_metadata(sched, preempted, allocated)
         store_jobs = tuple(self._job(p, "d2h") for p in stores)
         released = bool(self.finished_pending)
