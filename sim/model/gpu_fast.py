@@ -146,6 +146,9 @@ class FastBlockPool:
         #: 1 where the prefix cache of bgrp[b] maps bhash[b] to b
         self.incache = bytearray(num_blocks)
         self._caches: list[dict[int, int]] = [{} for _ in range(max(1, num_groups))]
+        #: (group, hash) -> the other blocks carrying that cached hash, in commit order
+        #: (vLLM keeps every block of a hash findable; the entry is the earliest still there)
+        self._dups: dict[tuple[int, int], list[int]] = {}
         #: chunks of queued ids, head first
         self._queue: deque[list[int]] = deque([list(range(1, num_blocks))])
         #: ids of the head chunk below this index are gone
@@ -261,16 +264,15 @@ class FastBlockPool:
             return [self._pop_one()]
         ids = self._pop_head(n)
         self._nfree -= n
-        ref, bhash, bgrp, incache, caches = self.ref, self.bhash, self.bgrp, self.incache, self._caches
+        ref, bhash, incache = self.ref, self.bhash, self.incache
         evicted = 0
         for b in ids:
             ref[b] = 1
             h = bhash[b]
             if h is not None:  # evicted: its hash goes, and its cache entry if it is one
                 evicted += 1
-                if incache[b]:
-                    del caches[bgrp[b]][h]
-                    incache[b] = 0
+                if incache[b] or self._dups:
+                    self._uncache(b, h)
                 bhash[b] = None
         self.num_evicted += evicted
         return ids
@@ -291,11 +293,31 @@ class FastBlockPool:
         h = self.bhash[b]
         if h is not None:
             self.num_evicted += 1
-            if self.incache[b]:
-                del self._caches[self.bgrp[b]][h]
-                self.incache[b] = 0
+            if self.incache[b] or self._dups:
+                self._uncache(b, h)
             self.bhash[b] = None
         return b
+
+    def _uncache(self, b: int, h: int) -> None:
+        """``b`` loses hash ``h``: if it was the entry, the earliest other block with
+        that hash becomes the entry, else it leaves the duplicates."""
+        g = self.bgrp[b]
+        key = (g, h)
+        dups = self._dups.get(key)
+        if self.incache[b]:
+            self.incache[b] = 0
+            if dups:
+                nb = dups.pop(0)
+                self._caches[g][h] = nb
+                self.incache[nb] = 1
+                if not dups:
+                    del self._dups[key]
+            else:
+                del self._caches[g][h]
+        elif dups is not None and b in dups:
+            dups.remove(b)
+            if not dups:
+                del self._dups[key]
 
     def touch(self, ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
@@ -367,6 +389,8 @@ class FastBlockPool:
                     if h not in cg:
                         cg[h] = b
                         incache[b] = 1
+                    else:   # a second block with this hash: findable once the entry goes
+                        self._dups.setdefault((g, h), []).append(b)
         else:
             for h, b in zip(hashes, ids, strict=True):
                 if bhash[b] is None and b:
@@ -897,6 +921,8 @@ class GpuFastCache:
                     if h not in cg:
                         cg[h] = b
                         pool.incache[b] = 1
+                    else:
+                        pool._dups.setdefault((g, h), []).append(b)
 
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""

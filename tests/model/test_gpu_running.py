@@ -186,3 +186,28 @@ def test_a_window_hit_needs_the_window_without_its_extra_retained_tokens() -> No
         ids = [b if isinstance(b, int) else b.block_id for b in lists[0]]
         assert [b != NULL_BLOCK_ID for b in ids] == [False] * 4 + [True] * 4, cls
         assert gpu.hit_first(0, 64) == 4 and gpu.retained_range(0, 64)[0] == 3, cls
+
+
+def test_a_hash_stays_cached_while_another_block_carries_it() -> None:
+    """vLLM's prefix cache keeps every block committed under a hash (``BlockHashToBlockMap``):
+    when the entry is evicted, the earliest other block with that hash serves hits. Two
+    requests compute the same 32 tokens in blocks 1-2 and 3-4; freed (tail first), the
+    queue is 2, 1, 4, 3; taking two blocks evicts 2 and 1, and the prefix still hits, now
+    in 3-4. Found by the differential mode (Mooncake, vLLM hit 25,088 tokens on the GPU
+    where kvsim's model had lost them)."""
+    layout = Layout.of([fa(16)], tokens_per_hash=16, blocks_per_chunk=1)
+    hashes = _hashes(2)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 5)
+        for req in ("a", "b"):
+            assert gpu.allocate_new(req, ([],), 0, 0, 32) is not None
+            gpu.commit(req, hashes, 32)
+        assert gpu.block_ids("a") == [[1, 2]] and gpu.block_ids("b") == [[3, 4]]
+        gpu.free("a")
+        gpu.free("b")
+        assert gpu.pool.num_cached == 2
+        assert gpu.allocate_new("c", ([],), 0, 0, 32) is not None
+        assert gpu.block_ids("c") == [[2, 1]], cls   # tail first: evicts the entries
+        hit, lists = gpu.find_hit(hashes, 32)
+        assert hit == 32 and [b if isinstance(b, int) else b.block_id for b in lists[0]] == [3, 4], cls
+        assert gpu.pool.num_cached == 2, cls
