@@ -53,7 +53,10 @@ Simplifications
     * kvsim's decode fast-forward is off on the model's side (it merges
       decode steps; its results are identical to stepping, tested).
     * Crashes raised by vLLM in ``update_from_output`` are compared with the
-      next step's (or at the end).
+      next step's (or at the end). When vLLM stops on a crash kvsim's model
+      makes too (same step, request and kind), the comparison ends there and
+      kvsim's run stops as well (vLLM's state is undefined after it).
+    * A run folder holds kvsim's model's rows; vLLM's side keeps none.
 """
 
 from __future__ import annotations
