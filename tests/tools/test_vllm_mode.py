@@ -62,6 +62,7 @@ def _write(tmp: Path, text: str, name: str) -> Path:
 def test_without_vllm_the_mode_is_one_line_and_exit_2(tmp_path: Path) -> None:
     scenario = _write(tmp_path, AGREE, "agree")
     for args in (["run", str(scenario), "--decisions", "vllm", "--out", str(tmp_path / "out")],
+                 ["run", str(scenario), "--decisions", "differential", "--out", str(tmp_path / "out")],
                  ["fidelity", str(scenario)]):
         r = _kvsim(sys.executable, *args, cwd=tmp_path)
         assert r.returncode == 2, r.stderr
