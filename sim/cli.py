@@ -236,8 +236,10 @@ def add_override_options(p: argparse.ArgumentParser, what: str = "a scenario key
                        metavar="old|new|latest", help="shorthand for --set window_logic=...")
     if decisions:
         p.add_argument("--decisions", dest="overrides", action=_Override, key="decisions",
-                       metavar="model|vllm", help="shorthand for --set decisions=... (vllm: the installed "
-                                                  "vLLM's scheduler decides; docs/vllm.md)")
+                       metavar="model|vllm|differential",
+                       help="shorthand for --set decisions=... (vllm: the installed vLLM's scheduler "
+                            "decides; differential: kvsim's model and vLLM in lockstep, stopping at the "
+                            "first divergence; docs/vllm.md)")
     p.set_defaults(overrides=[])
 
 
@@ -261,7 +263,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         overrides.append(("--limit", f"workload.limit={args.limit}"))
     rep = fidelity(Path(args.scenario), overrides)
     print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else format_report(rep))
-    return 0 if not rep.divergences else 1
+    diverged = rep.divergences or (rep.lockstep is not None and rep.lockstep["divergences"])
+    return 1 if diverged else 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -309,6 +312,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.plots:
         for path in write_plots(outcome.folder):
             print(f"plot: {path}")
+    diff = outcome.summary.get("differential")
+    if diff is not None:
+        from sim.engine.differential import describe  # noqa: PLC0415
+
+        print("\n".join(describe(diff)))
+        return 1 if diff["divergences"] else 0
     return 0
 
 

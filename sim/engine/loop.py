@@ -151,7 +151,7 @@ class EngineConfig(SchedulerConfig):
     max_sim_time_s: float | None = None
     copy_path: CopyPathConfig | None = None
     #: who decides: kvsim's model, or the installed vLLM (:mod:`sim.engine.vllm_engine`)
-    decisions: Literal["model", "vllm"] = "model"
+    decisions: Literal["model", "vllm", "differential"] = "model"
     #: one link per secondary tier (``tiers``), same order
     tier_links: tuple[TierLinkModel, ...] = ()
     #: bytes a tier job moves per chunk: the CPU slot (vLLM: the primary tier's row)
@@ -168,6 +168,9 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"{len(self.tiers)} tiers but {len(self.tier_links)} tier links")
 
 
+#: why a run stopped before its end (``diverged``: the differential mode's first divergence)
+StopReason = Literal["stopped_on_crash", "time_limit", "diverged"]
+
 
 @dataclass
 class SimulationResult:
@@ -175,7 +178,7 @@ class SimulationResult:
     snapshots (:class:`~sim.tools.run.RunOutcome` is the run folder written from it,
     :class:`~sim.io.results.RunResults` a run folder read back)."""
 
-    status: Literal["ok", "stopped_on_crash", "time_limit"]
+    status: Literal["ok"] | StopReason
     summary: RunSummary
     #: what the first modelled crashes and hazards met (written as check/1 files by sim.io.check)
     reproducers: list[ReproducerSnapshot] = field(default_factory=list)
@@ -239,7 +242,10 @@ class Engine:
         self._done: dict[str, simpy.Event] = {}
         self.step_no = 0
         self.next_tick = 0.0
-        self.stop_reason: Literal["stopped_on_crash", "time_limit"] | None = None
+        self.stop_reason: StopReason | None = None
+        #: called with each step's plan right after ``schedule`` (the seam of the
+        #: differential mode, :mod:`sim.engine.differential`); None: nothing watches
+        self.on_schedule: Callable[[Any], None] | None = None
         self._requests: Iterator[Request] = iter(requests)
         self.next_arrival_s = math.inf
         self.arrivals_done = False
@@ -352,6 +358,8 @@ class Engine:
             if k:
                 return True
         plan = sched.schedule(env.now)
+        if self.on_schedule is not None:
+            self.on_schedule(plan)
         if self.tiered is not None:
             self._start_tier_jobs()     # this step's promotions (vLLM: at the end of schedule)
         if plan.stopped:
@@ -604,12 +612,20 @@ class Engine:
 
     # -- run ----------------------------------------------------------------------------
 
+    def start(self) -> simpy.Process:
+        """Start the arrivals and the step loop; returns the step loop's process."""
+        self.env.process(self._arrivals())
+        return self.env.process(self._engine())
+
     def run(self) -> SimulationResult:
+        engine = self.start()
+        self.env.run(until=engine)
+        self.env.run()   # let lifecycles write their rows
+        return self.finish()
+
+    def finish(self) -> SimulationResult:
+        """The summary, the rows flushed, the end-of-run invariants (after :meth:`run`'s loop)."""
         env = self.env
-        env.process(self._arrivals())
-        engine = env.process(self._engine())
-        env.run(until=engine)
-        env.run()   # let lifecycles write their rows
         s = self.summary
         stats = self.sched.stats
         for f in fields(SchedulerStats):
@@ -624,7 +640,7 @@ class Engine:
         if self.progress is not None:
             self.progress(self._finished_count, env.now)
         self.rec.flush()
-        status: Literal["ok", "stopped_on_crash", "time_limit"] = self.stop_reason or "ok"
+        status: Literal["ok"] | StopReason = self.stop_reason or "ok"
         if status == "ok":
             problems = self.sched.invariant_problems()
             if self.xfers or self.deferred_stores:

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import simpy
 
 from sim.engine.links import LATE, At, Link, Proc, Transfer
-from sim.engine.loop import Engine, EngineConfig, InvariantViolation, SimulationResult
+from sim.engine.loop import Engine, EngineConfig, InvariantViolation, SimulationResult, StopReason
 from sim.engine.metrics import OccupancyRow, Recorder, RunSummary, StepRow, TransferRow
 from sim.model.real_vllm import RealJob, RealVllmScheduler
 from sim.model.request import Request, RequestStatus
@@ -74,7 +74,8 @@ class VllmEngine(Engine):
         self._done: dict[str, simpy.Event] = {}
         self.step_no = 0
         self.next_tick = 0.0
-        self.stop_reason: Literal["stopped_on_crash", "time_limit"] | None = None
+        self.stop_reason: StopReason | None = None
+        self.on_schedule: Callable[[Any], None] | None = None
         self._requests = iter(requests)
         self.next_arrival_s = float("inf")
         self.arrivals_done = False
@@ -114,6 +115,8 @@ class VllmEngine(Engine):
     def _step(self) -> Generator[simpy.Event, Any, bool]:
         env, real = self.env, self.real
         step = real.schedule(env.now)
+        if self.on_schedule is not None:
+            self.on_schedule(step)
         if step.stopped:
             self.stop_reason = "stopped_on_crash"
             return False
@@ -200,12 +203,8 @@ class VllmEngine(Engine):
 
     # -- run ----------------------------------------------------------------------------
 
-    def run(self) -> SimulationResult:
+    def finish(self) -> SimulationResult:
         env = self.env
-        env.process(self._arrivals())
-        engine = env.process(self._engine())
-        env.run(until=engine)
-        env.run()
         s = self.summary
         stats = self.real.stats
         for f in fields(SchedulerStats):
@@ -216,7 +215,7 @@ class VllmEngine(Engine):
         if self.progress is not None:
             self.progress(self._finished_count, env.now)
         self.rec.flush()
-        status: Literal["ok", "stopped_on_crash", "time_limit"] = self.stop_reason or "ok"
+        status: Literal["ok"] | StopReason = self.stop_reason or "ok"
         if status == "ok":
             problems = self.real.invariant_problems()
             if self.xfers:

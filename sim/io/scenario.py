@@ -20,7 +20,10 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     seed                  (0)           the only source of randomness
     window_logic          ("new")       "old" (vLLM 0.29.0) | "new" (vLLM 0.30.0) | "latest" (vLLM 0.33.0)
     decisions             ("model")     "model" (kvsim's model, by window_logic) | "vllm" (the installed
-                                        vLLM's scheduler decides: sim.model.real_vllm, docs/vllm.md)
+                                        vLLM's scheduler decides: sim.model.real_vllm, docs/vllm.md) |
+                                        "differential" (both in lockstep, every step's decisions
+                                        compared; the first divergence stops the run:
+                                        sim.engine.differential)
     on_crash              ("record")    "record" | "stop"
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]
@@ -739,8 +742,9 @@ class RunScenario(Strict):
         default=0, ge=0, description="seed of every random choice")
     window_logic: Literal["old", "new", "latest"] = Field(
         default="new", description="vLLM 0.29.0 (old), 0.30.0 (new) or 0.33.0 (latest)")
-    decisions: Literal["model", "vllm"] = Field(
-        default="model", description="who decides: kvsim's model, or the vLLM installed in this environment")
+    decisions: Literal["model", "vllm", "differential"] = Field(
+        default="model", description="who decides: kvsim's model, the vLLM installed in this environment, "
+                                     "or both in lockstep, every step's decisions compared (differential)")
     on_crash: Literal["record", "stop"] = Field(default="record", description="what a modelled crash does")
     assertions: bool = Field(default=True, description="vLLM's Python assertions; false models python -O")
     model: ModelSection
@@ -1705,7 +1709,8 @@ def torch_missing() -> bool:
 
 
 def _check_vllm_mode(sc: RunScenario, source: str) -> None:
-    """``decisions = "vllm"``: vLLM importable here, and nothing asked for that the mode lacks."""
+    """``decisions = "vllm"`` (or ``"differential"``): vLLM importable here, and nothing asked
+    for that the mode lacks."""
     from sim.model.real_vllm import INSTALL_HINT, VllmMissingError, installed_version  # noqa: PLC0415
 
     try:
@@ -1866,7 +1871,7 @@ def _build_run(data: dict[str, Any], path: Path, source: str) -> RunSpec:
     if sc.copy_path.enabled and torch_missing():
         raise InputError(source, "copy_path.enabled", "the copy path needs torch, which is not installed",
                          f"{TORCH_ALLOWED}, or copy_path.enabled = false")
-    if sc.decisions == "vllm":
+    if sc.decisions in ("vllm", "differential"):
         _check_vllm_mode(sc, source)
     base = path.resolve().parent
     sc = _resolve_tiers(sc, base, source)

@@ -83,6 +83,9 @@ class BlockPool:
         #: head = next block handed out; ordered by id initially, then by free time
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[tuple[int, int], Block] = {}
+        #: the other blocks carrying a cached hash, in commit order (vLLM keeps every block
+        #: of a hash findable; the entry is the earliest still there)
+        self._dups: dict[tuple[int, int], list[Block]] = {}
         #: blocks whose cached hash was dropped because they were reused
         self.num_evicted = 0
 
@@ -111,16 +114,32 @@ class BlockPool:
             raise GpuInvariantError(f"asked for {n} blocks with {len(free)} free")
         pop = free.popitem
         out = [pop(last=False)[1] for _ in range(n)]
-        cached = self._cached
         for b in out:
             b.ref_cnt = 1
             h = b.block_hash
             if h is not None:
-                if cached.get(h) is b:
-                    del cached[h]
+                self._uncache(h, b)
                 b.block_hash = None
                 self.num_evicted += 1
         return out
+
+    def _uncache(self, h: tuple[int, int], b: Block) -> None:
+        """``b`` loses hash ``h``: if it was the entry, the earliest other block with
+        that hash becomes the entry (vLLM's ``BlockHashToBlockMap`` keeps every
+        block of a hash), else it leaves the duplicates."""
+        cached = self._cached
+        dups = self._dups.get(h)
+        if cached.get(h) is b:
+            if dups:
+                cached[h] = dups.pop(0)
+                if not dups:
+                    del self._dups[h]
+            else:
+                del cached[h]
+        elif dups is not None and b in dups:
+            dups.remove(b)
+            if not dups:
+                del self._dups[h]
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
@@ -157,8 +176,11 @@ class BlockPool:
         if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        if self.enable_caching and block_hash not in self._cached:
-            self._cached[block_hash] = block
+        if self.enable_caching:
+            if block_hash not in self._cached:
+                self._cached[block_hash] = block
+            else:   # a second block with this hash: findable once the entry goes
+                self._dups.setdefault(block_hash, []).append(block)
 
     def cached(self, block_hash: tuple[int, int]) -> Block | None:
         """The cached block with this hash, if any."""
@@ -217,6 +239,17 @@ class GpuKVCache:
         if spec.kind is GroupKind.MAMBA:
             return (max(0, (num_tokens - 1) // bs), end)
         return (spec.skipped_tokens(num_tokens) // bs, end)
+
+    def hit_first(self, g: int, num_tokens: int) -> int:
+        """The first block a prefix-cache hit of ``num_tokens`` needs in group ``g``: the
+        retained range's, except that a sliding window's hit needs its window alone,
+        without ``extra_retained_tokens`` (vLLM's ``_contiguous_blocks_for_hit``,
+        ``cdiv(W - 1, block size)`` blocks, 0.29 to 0.33)."""
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.SLIDING_WINDOW and spec.extra_retained_tokens:
+            assert spec.window is not None
+            return max(0, num_tokens - spec.window + 1) // self._bs[g]
+        return self.retained_range(g, num_tokens)[0]
 
     def _block_hash(self, g: int, block_hashes: Sequence[int], i: int) -> tuple[int, int]:
         return (block_hashes[(i + 1) * self._hpb[g] - 1], g)
@@ -282,7 +315,7 @@ class GpuKVCache:
                 if self.retained_range(g, end * bs)[0] >= end:
                     return end
             return 0
-        if (spec.window or 0) + spec.extra_retained_tokens <= 1:
+        if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
             return n
         return 0
 
@@ -304,14 +337,14 @@ class GpuKVCache:
             j = i
             while j > 0 and self._is_cached(g, block_hashes, j - 1):
                 j -= 1
-            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+            if self.hit_first(g, (i + 1) * bs) >= j:
                 return (i + 1) * bs
             i = j - 2
         return empty * bs
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[Block]:
         n = hit // self._bs[g]
-        first, _ = self.retained_range(g, hit)
+        first = self.hit_first(g, hit)
         if self.layout.groups[g].kind is GroupKind.FULL:
             first = 0
         out = [self.pool.null_block] * n
@@ -507,27 +540,23 @@ class GpuKVCache:
         return slots, comp
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
-        """Give every complete, real block below ``num_tokens`` its hash
+        """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
+        coordinator does: :meth:`~sim.model.layout.Layout.cacheable_tokens`) its hash
         (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
         lists = self.req_blocks[req_id]
         done = self._committed[req_id]
-        caching = self.pool.enable_caching
-        cached = self.pool._cached
         nh = len(block_hashes)
         masks = self.layout.gpu_cache_masks
         for g, blocks in enumerate(lists):
             hpb = self._hpb[g]
-            n = min(num_tokens // self._bs[g], len(blocks), nh // hpb)
+            n = min(self.layout.cacheable_tokens(g, num_tokens) // self._bs[g], len(blocks), nh // hpb)
             mask = masks[g]
             for i in range(done[g], n):
                 if mask is not None and not (i >= mask[2] and (i - mask[2]) % mask[0] >= mask[0] - mask[1]):
                     continue   # a sliding window hashes only the blocks a hit needs
                 b = blocks[i]
                 if b.block_hash is None and b.block_id != NULL_BLOCK_ID:
-                    h = (block_hashes[(i + 1) * hpb - 1], g)
-                    b.block_hash = h
-                    if caching and h not in cached:
-                        cached[h] = b
+                    self.pool.commit(b, (block_hashes[(i + 1) * hpb - 1], g))
             done[g] = max(done[g], n)
 
     def block_ids(self, req_id: str) -> list[list[int]]:

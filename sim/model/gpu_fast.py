@@ -146,6 +146,9 @@ class FastBlockPool:
         #: 1 where the prefix cache of bgrp[b] maps bhash[b] to b
         self.incache = bytearray(num_blocks)
         self._caches: list[dict[int, int]] = [{} for _ in range(max(1, num_groups))]
+        #: (group, hash) -> the other blocks carrying that cached hash, in commit order
+        #: (vLLM keeps every block of a hash findable; the entry is the earliest still there)
+        self._dups: dict[tuple[int, int], list[int]] = {}
         #: chunks of queued ids, head first
         self._queue: deque[list[int]] = deque([list(range(1, num_blocks))])
         #: ids of the head chunk below this index are gone
@@ -261,16 +264,15 @@ class FastBlockPool:
             return [self._pop_one()]
         ids = self._pop_head(n)
         self._nfree -= n
-        ref, bhash, bgrp, incache, caches = self.ref, self.bhash, self.bgrp, self.incache, self._caches
+        ref, bhash, incache = self.ref, self.bhash, self.incache
         evicted = 0
         for b in ids:
             ref[b] = 1
             h = bhash[b]
             if h is not None:  # evicted: its hash goes, and its cache entry if it is one
                 evicted += 1
-                if incache[b]:
-                    del caches[bgrp[b]][h]
-                    incache[b] = 0
+                if incache[b] or self._dups:
+                    self._uncache(b, h)
                 bhash[b] = None
         self.num_evicted += evicted
         return ids
@@ -291,11 +293,31 @@ class FastBlockPool:
         h = self.bhash[b]
         if h is not None:
             self.num_evicted += 1
-            if self.incache[b]:
-                del self._caches[self.bgrp[b]][h]
-                self.incache[b] = 0
+            if self.incache[b] or self._dups:
+                self._uncache(b, h)
             self.bhash[b] = None
         return b
+
+    def _uncache(self, b: int, h: int) -> None:
+        """``b`` loses hash ``h``: if it was the entry, the earliest other block with
+        that hash becomes the entry, else it leaves the duplicates."""
+        g = self.bgrp[b]
+        key = (g, h)
+        dups = self._dups.get(key)
+        if self.incache[b]:
+            self.incache[b] = 0
+            if dups:
+                nb = dups.pop(0)
+                self._caches[g][h] = nb
+                self.incache[nb] = 1
+                if not dups:
+                    del self._dups[key]
+            else:
+                del self._caches[g][h]
+        elif dups is not None and b in dups:
+            dups.remove(b)
+            if not dups:
+                del self._dups[key]
 
     def touch(self, ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
@@ -367,6 +389,8 @@ class FastBlockPool:
                     if h not in cg:
                         cg[h] = b
                         incache[b] = 1
+                    else:   # a second block with this hash: findable once the entry goes
+                        self._dups.setdefault((g, h), []).append(b)
         else:
             for h, b in zip(hashes, ids, strict=True):
                 if bhash[b] is None and b:
@@ -551,6 +575,17 @@ class GpuFastCache:
             return (max(0, (num_tokens - 1) // bs), end)
         return (spec.skipped_tokens(num_tokens) // bs, end)
 
+    def hit_first(self, g: int, num_tokens: int) -> int:
+        """The first block a prefix-cache hit of ``num_tokens`` needs in group ``g``: the
+        retained range's, except that a sliding window's hit needs its window alone,
+        without ``extra_retained_tokens`` (vLLM's ``_contiguous_blocks_for_hit``,
+        ``cdiv(W - 1, block size)`` blocks, 0.29 to 0.33)."""
+        spec = self.layout.groups[g]
+        if spec.kind is GroupKind.SLIDING_WINDOW and spec.extra_retained_tokens:
+            assert spec.window is not None
+            return max(0, num_tokens - spec.window + 1) // self._bs[g]
+        return self.retained_range(g, num_tokens)[0]
+
     def next_skip(self, g: int, skipped: int) -> int:
         """Smallest computed-token count at which group ``g`` drops more than
         ``skipped`` leading blocks; a large number for full attention."""
@@ -626,7 +661,7 @@ class GpuFastCache:
                 if self.retained_range(g, end * bs)[0] >= end:
                     return end
             return 0
-        if (spec.window or 0) + spec.extra_retained_tokens <= 1:
+        if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
             return n
         return 0
 
@@ -641,14 +676,14 @@ class GpuFastCache:
             j = i
             while j > 0 and self._is_cached(g, block_hashes, j - 1):
                 j -= 1
-            if self.retained_range(g, (i + 1) * bs)[0] >= j:
+            if self.hit_first(g, (i + 1) * bs) >= j:
                 return (i + 1) * bs
             i = j - 2
         return empty * bs
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[int]:
         n = hit // self._bs[g]
-        first, _ = self.retained_range(g, hit)
+        first = self.hit_first(g, hit)
         if self.layout.groups[g].kind is GroupKind.FULL:
             first = 0
         out = [NULL_BLOCK_ID] * n
@@ -847,17 +882,21 @@ class GpuFastCache:
         return slots, comp
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
-        """Give every complete, real block below ``num_tokens`` its hash
+        """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
+        coordinator does: :meth:`~sim.model.layout.Layout.cacheable_tokens`) its hash
         (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
         t = self._tables[req_id]
         done = t.done
         nh = len(block_hashes)
         pool = self.pool
         bhash = pool.bhash
-        masks = self.layout.gpu_cache_masks
+        layout = self.layout
+        masks = layout.gpu_cache_masks
+        align = layout.gpu_cache_align
         for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
             d = done[g]
-            n = min(num_tokens // bs, len(blocks), nh // hpb)
+            upto = num_tokens if align is None else layout.cacheable_tokens(g, num_tokens)
+            n = min(upto // bs, len(blocks), nh // hpb)
             if n <= d:
                 continue
             done[g] = n
@@ -882,6 +921,8 @@ class GpuFastCache:
                     if h not in cg:
                         cg[h] = b
                         pool.incache[b] = 1
+                    else:
+                        pool._dups.setdefault((g, h), []).append(b)
 
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""

@@ -274,6 +274,29 @@ class Layout:
         return fa.pop() if len(fa) == 1 else None
 
     @cached_property
+    def gpu_cache_align(self) -> int | None:
+        """The token multiple a request's blocks are hashed up to in vLLM's prefix cache:
+        with more than one group, vLLM's hybrid coordinator caches only up to the computed
+        tokens rounded down to the scheduler block size (the groups' least common multiple;
+        ``_align_cacheable``, 0.29 to 0.33), an EAGLE group one block further; None (one
+        group, or a Mamba group, where vLLM may hash finer): every complete block."""
+        if len(self.groups) < 2 or any(g.kind is GroupKind.MAMBA for g in self.groups):
+            return None
+        return math.lcm(*(g.tokens_per_block for g in self.groups))
+
+    def cacheable_tokens(self, g: int, num_tokens: int) -> int:
+        """Of ``num_tokens`` computed tokens, how many group ``g``'s prefix cache hashes
+        (:attr:`gpu_cache_align`)."""
+        align = self.gpu_cache_align
+        if align is None:
+            return num_tokens
+        aligned = num_tokens - num_tokens % align
+        group = self.groups[g]
+        if group.eagle and aligned > 0:
+            return min(num_tokens, aligned + group.tokens_per_block)
+        return aligned
+
+    @cached_property
     def gpu_cache_masks(self) -> tuple[tuple[int, int, int] | None, ...]:
         """Per group, which complete GPU blocks vLLM's prefix cache hashes (``cache_blocks``
         with its dense retention): None, every block; else ``(per_segment, need, shift)``: a

@@ -44,6 +44,9 @@ Simplifications (of the driving, not of vLLM's decisions)
       the crash is an ``events`` row and the request's ``crash`` column.
     * Synchronous scheduling (no async scheduling, no speculative decoding
       tokens), greedy single-token outputs with ``ignore_eos``.
+    * A completed transfer's chunks reach vLLM's CPU manager in the order the
+      job was prepared in, not in the per-process order of vLLM's ``set`` of
+      keys (see :meth:`RealVllmScheduler._watch_manager`).
 
 Invariants
     * :meth:`RealVllmScheduler.invariant_problems` at the end of a completed
@@ -268,6 +271,11 @@ class RealVllmScheduler:
         self.sched = v["VScheduler"](vllm_config=vcfg, kv_cache_config=kv_config, log_stats=False,
                                      structured_output_manager=v["StructuredOutputManager"](vcfg),
                                      block_size=block_size, hash_block_size=hash_size)
+        #: the connector's lookups, (request, local hit tokens, external tokens or None, async),
+        #: appended while a list (as :attr:`sim.model.scheduler.Scheduler.lookup_log`)
+        self.lookup_log: list[tuple[str, int, int | None, bool]] | None = None
+        #: the CPU manager's evicted keys, appended while a list (the differential mode)
+        self.evicted_log: list[bytes] | None = None
         self.worker: Any = None
         self.wconn: Any = None
         self.conn_sched: Any = None
@@ -279,6 +287,7 @@ class RealVllmScheduler:
             self.wconn.connector_worker.worker = self.worker
             self.conn_sched = self.sched.connector.connector_scheduler
             self._watch_lookups()
+            self._watch_manager()
         self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
         self._block_pieces = [pieces_per_block(g, cfg.transfer_piece) for g in layout.groups]
@@ -340,12 +349,15 @@ class RealVllmScheduler:
     # -- observing vLLM (never deciding) ---------------------------------------------
 
     def _watch_lookups(self) -> None:
-        """Count what the connector's lookup answered per request (hits, deferrals)."""
+        """Count what the connector's lookup answered per request (hits, deferrals); keep the
+        lookups while the differential mode asks for them."""
         conn = self.sched.connector
         real = conn.get_num_new_matched_tokens
 
         def lookup(request: Any, num_computed_tokens: int) -> Any:
             ext, load_async = real(request, num_computed_tokens)
+            if self.lookup_log is not None:
+                self.lookup_log.append((request.request_id, num_computed_tokens, ext, bool(load_async)))
             r = self.requests.get(request.request_id)
             if r is not None:
                 if ext is None:
@@ -374,6 +386,43 @@ class RealVllmScheduler:
 
         conn.get_num_new_matched_tokens = lookup
         conn.update_state_after_alloc = after_alloc
+
+    def _watch_manager(self) -> None:
+        """Keep the CPU manager's evictions while the differential mode asks for them, and
+        hand it a completed job's keys in a reproducible order.
+
+        vLLM's connector hands a completed job's keys to its CPU manager as a ``set`` of
+        bytes, whose order Python randomises per process (``PYTHONHASHSEED``): the order in
+        which the chunks of one store become evictable, so which of them an LRU or ARC
+        eviction takes first, would change from run to run. The manager gets them in the
+        order the job was prepared in (as kvsim's model marks them), which makes the run
+        deterministic."""
+        mgr = self.conn_sched.manager
+        real_store, real_load = mgr.prepare_store, mgr.prepare_load
+        real_stored, real_loaded = mgr.complete_store, mgr.complete_load
+        #: each key's place in the last store or load that named it (see :meth:`_job_order`)
+        rank: dict[bytes, int] = {}
+
+        def prepare_store(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real_store(keys, *args, **kwargs)
+            if out is not None:
+                rank.update((k, i) for i, k in enumerate(out.keys_to_store))
+                if self.evicted_log is not None:
+                    self.evicted_log.extend(out.evicted_keys)
+            return out
+
+        def prepare_load(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            rank.update((k, i) for i, k in enumerate(keys))
+            return real_load(keys, *args, **kwargs)
+
+        def complete_store(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return real_stored(sorted(keys, key=lambda k: rank.pop(k, 0)), *args, **kwargs)
+
+        def complete_load(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return real_loaded(sorted(keys, key=lambda k: rank.get(k, 0)), *args, **kwargs)
+
+        mgr.prepare_store, mgr.prepare_load = prepare_store, prepare_load
+        mgr.complete_store, mgr.complete_load = complete_store, complete_load
 
     # -- requests ----------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ from sim.model.costs import (
 )
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.future import FutureUses
-from sim.model.gpu_cache import Allocation, Block, GpuKVCache
+from sim.model.gpu_cache import NULL_BLOCK_ID, Allocation, Block, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 from sim.model.request import LiveRequest, Request, RequestStatus
@@ -605,6 +605,13 @@ class Scheduler:
         self.now = 0.0
         self._broke_deadlock = False
         self._loads_this_step = 0
+        #: (request, local hit tokens, external tokens (None: deferred), load async) of each
+        #: connector lookup, appended while it is a list (the differential mode reads and
+        #: clears it every step; None: not kept)
+        self.lookup_log: list[tuple[str, int, int | None, bool]] | None = None
+        #: (request, time): snapshot that request's lookup at that time as a reproducer
+        #: (the differential mode's check/1 file of a diverging lookup; None: none)
+        self.snapshot_lookup: tuple[str, float] | None = None
         #: per group, the most blocks the full-input admission check requires (None: off)
         self.admit_caps = admission_caps(layout, cfg.max_num_batched_tokens) if cfg.reserve_full_isl else None
 
@@ -648,6 +655,16 @@ class Scheduler:
             self._schedule_waiting(budget, sched, loads, admitted, allocated)
         if self.stopped:
             return StepPlan(stopped=True)
+        if self.conn is not None:
+            # vLLM's connector counts every block of an admitted request as allocated this
+            # step, its prefix-cache hits included (the whole block table of a newly
+            # scheduled request; every block handed to update_state_after_alloc)
+            gpu = self.gpu
+            for r in admitted:
+                if r.req_id in gpu.req_blocks:
+                    for ids in gpu.block_ids(r.req_id):
+                        allocated.update(ids)
+            allocated.discard(NULL_BLOCK_ID)
         flush, stores = self._connector_metadata(sched, preempted, allocated)
         store_jobs = tuple(self._job(p, "d2h") for p in stores)
         released = bool(self.finished_pending)
@@ -762,6 +779,7 @@ class Scheduler:
         load_async = False
         if conn is not None and not r.no_external:
             m = conn.get_num_new_matched_tokens(r, local_tokens)
+            self._log_lookup(r, local_tokens, m.tokens, m.load_async)
             if m.tokens is None:
                 self._count_deferral(r, m.defer_reason or "unknown")
                 return _DEFER
@@ -801,6 +819,14 @@ class Scheduler:
         self._commit(r, comp + num_new)
         r.thr_slots, r.thr_comp = gpu.thresholds(r.req_id)
         return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
+
+    def _log_lookup(self, r: LiveRequest, local_tokens: int, ext: int | None, load_async: bool) -> None:
+        """The differential mode's record of a lookup (and its snapshot, when asked for)."""
+        if self.lookup_log is None:
+            return
+        self.lookup_log.append((r.req_id, local_tokens, ext, load_async))
+        if self.snapshot_lookup == (r.req_id, self.now):  # what the lookup met (not changed by it)
+            self._reproduce(r, local_tokens, "divergence", "lookup", (), ())
 
     def _allocate_new(self, r: LiveRequest, local: Any, local_tokens: int, ext: int,
                       num_slots: int) -> Allocation | None:
@@ -1046,10 +1072,16 @@ class Scheduler:
 
     def _finish(self, r: LiveRequest) -> None:
         """A stop condition: the request leaves the batch; its blocks are freed
-        now, its final stores come with the next step (then it is released)."""
+        now, its final stores come with the next step (then it is released).
+        With offloading, the window blocks it no longer attends over are freed
+        first, on their own (vLLM's ``_connector_finished`` calls
+        ``remove_skipped_blocks`` before the connector sees the request): they
+        reach the head of the free queue before the rest of its blocks."""
         self.running.remove(r)
         r.status = _FINISHED
         r.finish_s = self.now
+        if self.conn is not None:
+            self.gpu.remove_skipped(r.req_id, r.num_computed)
         if self.conn is not None and self.conn.has_request(r.req_id):
             self.conn.request_finished(r.req_id)
             self.finished_pending.append(r)

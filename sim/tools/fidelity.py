@@ -1,11 +1,14 @@
 """kvsim fidelity: kvsim's model against the installed vLLM, on the same scenario and clock.
 
 What it does
-    Runs a scenario twice on kvsim's engine, in memory: once with kvsim's own
-    model deciding (under the window logic that corresponds to the installed
-    vLLM: 0.29.0 old, 0.30.0 new, 0.33.0 latest) and once with that vLLM
-    deciding (:mod:`sim.engine.vllm_engine`), then compares every decision
-    the two runs recorded, request by request:
+    Runs a scenario on kvsim's engine twice, in memory and in lockstep
+    (:class:`sim.engine.differential.Lockstep`): once with kvsim's own model
+    deciding (under the window logic that corresponds to the installed vLLM:
+    0.29.0 old, 0.30.0 new, 0.33.0 latest) and once with that vLLM deciding
+    (:mod:`sim.engine.vllm_engine`). The lockstep compares every step's
+    decisions and reports the first divergence (or "0 divergences in N
+    decisions"); both runs then go on to their end, and every decision the two
+    runs recorded is compared, request by request:
 
     * per request: its end (finished, rejected, unfinished), the GPU and CPU
       hit tokens, the tokens computed and recomputed, preemptions, deferred
@@ -15,11 +18,8 @@ What it does
       blocks, bytes and submission time;
     * the crash events (kind and request).
 
-    Both runs share every timing model, and a run is deterministic, so until
-    the first decision that differs the two runs are the same event for event:
-    the earliest divergence found by comparing the finished runs is the one a
-    step-by-step lockstep would stop at. Later divergences may follow from the
-    first (the runs drift apart); they are counted, not explained.
+    Later divergences may follow from the first (the runs drift apart); they
+    are counted, not explained.
 
 Known divergences
     Differences that come from a simplification of kvsim's engine listed in
@@ -30,9 +30,9 @@ Known divergences
       when it is first found not to fit (its deadlock breaker).
 
 Simplifications
-    * The comparison is of the finished runs, not a lockstep that stops at
-      the first divergence (see above for why the first divergence is the
-      same); it does not write a check/1 reproducer.
+    * No check/1 reproducer (``kvsim run --decisions differential`` writes one).
+    * When vLLM stops on a crash that kvsim's model makes too, both runs stop
+      there (vLLM's state is undefined after its assertion).
 """
 
 from __future__ import annotations
@@ -45,10 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.engine.loop import simulate
-from sim.engine.metrics import MemorySink, Recorder
+from sim.engine.metrics import MemorySink
 from sim.errors import InputError
-from sim.io.scenario import RunSpec, load_run
+from sim.io.scenario import load_run
 
 __all__ = ["Divergence", "FidelityReport", "fidelity", "format_report"]
 
@@ -92,6 +91,8 @@ class FidelityReport:
     #: divergences explained by a listed simplification, by kind
     known: dict[str, int] = field(default_factory=dict)
     status: dict[str, str] = field(default_factory=dict)
+    #: the lockstep's report (:meth:`sim.engine.differential.DifferentialReport.to_dict`)
+    lockstep: dict[str, Any] | None = None
 
     @property
     def first(self) -> Divergence | None:
@@ -102,7 +103,7 @@ class FidelityReport:
                 "requests": self.requests, "decisions": self.decisions,
                 "divergences": len(self.divergences), "known": dict(self.known), "status": dict(self.status),
                 "first": dataclasses.asdict(self.first) if self.first else None,
-                "by_field": _by_field(self.divergences)}
+                "by_field": _by_field(self.divergences), "lockstep": self.lockstep}
 
 
 def _by_field(divs: Sequence[Divergence]) -> dict[str, int]:
@@ -116,19 +117,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isnan(a) and math.isnan(b))
     return bool(a == b)
-
-
-def _run(spec: RunSpec, decisions: str) -> tuple[MemorySink, str]:
-    cfg = dataclasses.replace(spec.engine_config(), decisions=decisions)  # type: ignore[arg-type]
-    sink = MemorySink()
-    rec = Recorder(sink)
-    if decisions == "vllm":
-        from sim.engine.vllm_engine import simulate_vllm  # noqa: PLC0415 -- imports vLLM
-
-        result = simulate_vllm(cfg, spec.requests(), rec)
-    else:
-        result = simulate(cfg, spec.requests(), rec)
-    return sink, result.status
 
 
 def fidelity(path: Path, overrides: Sequence[str | tuple[str, str]] = ()) -> FidelityReport:
@@ -146,9 +134,15 @@ def fidelity(path: Path, overrides: Sequence[str | tuple[str, str]] = ()) -> Fid
                          "Python environment", INSTALL_HINT.split(": ", 1)[1]) from None
     logic = SUPPORTED_VERSIONS.get(version, "latest")
     spec = load_run(path, [*overrides, ("fidelity", f"window_logic={logic}"), ("fidelity", "decisions=vllm")])
-    model, model_status = _run(spec, "model")
-    real, real_status = _run(spec, "vllm")
-    report = FidelityReport(str(path), version, logic, 0, status={"kvsim": model_status, "vllm": real_status})
+    from sim.engine.differential import Lockstep, WatchingRecorder  # noqa: PLC0415 -- imports vLLM
+
+    model, real = MemorySink(), MemorySink()
+    lock = Lockstep(spec.engine_config(), spec.requests, WatchingRecorder(model), WatchingRecorder(real),
+                    stop_at_first=False)
+    res_model, res_real, lockstep = lock.run()
+    report = FidelityReport(str(path), version, logic, 0,
+                            status={"kvsim": res_model.status, "vllm": res_real.status},
+                            lockstep=lockstep.to_dict())
     _compare(model, real, report)
     return report
 
@@ -207,6 +201,11 @@ def format_report(rep: FidelityReport) -> str:
     ends = f"ends: kvsim {rep.status.get('kvsim')}, vLLM {rep.status.get('vllm')}"
     lines = [f"fidelity: {rep.scenario}: kvsim (logic {rep.logic}) vs vLLM {rep.vllm_version}, "
              f"{rep.requests} requests ({ends})"]
+    if rep.lockstep is not None:
+        from sim.engine.differential import describe  # noqa: PLC0415
+
+        lines += describe(rep.lockstep)
+        lines.append("per request, over the whole runs:")
     known = ", ".join(f"{k} {n}" for k, n in sorted(rep.known.items())) or "none"
     lines.append(f"{len(rep.divergences)} divergences in {rep.decisions} decisions "
                  f"(known, from listed simplifications: {known})")

@@ -240,8 +240,8 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     requests = _Guarded(spec.requests())
     header: dict[str, Any] = {"name": spec.name, "seed": spec.scenario.seed,
                               "window_logic": spec.scenario.window_logic}
-    if config.decisions == "vllm":
-        header["decisions"] = "vllm"
+    if config.decisions != "model":
+        header["decisions"] = config.decisions
         header["vllm_version"] = vllm_version_note()
     last = {"requests_finished": 0, "sim_time_s": 0.0}
 
@@ -257,7 +257,19 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     try:
         sink = ParquetSink(writer.start())
         recorder = Recorder(sink)
-        if config.decisions == "vllm":
+        differential = None
+        if config.decisions == "differential":
+            from sim.engine.differential import WatchingRecorder, simulate_differential  # noqa: PLC0415
+
+            recorder = WatchingRecorder(sink)
+            first: list[Iterator[Request]] = [requests]   # kvsim's side reads the guarded stream
+
+            def streams() -> Iterator[Request]:
+                return first.pop() if first else spec.requests()
+
+            result, differential = simulate_differential(config, streams, recorder,
+                                                         folder=writer.folder, progress=on_progress)
+        elif config.decisions == "vllm":
             from sim.engine.vllm_engine import simulate_vllm  # noqa: PLC0415 -- imports vLLM
 
             result = simulate_vllm(config, requests, recorder, progress=on_progress)
@@ -297,6 +309,8 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
     try:
         figures = result.summary.figures()
         summary = {"run": header, "end": result.status, **figures}
+        if differential is not None:
+            summary["differential"] = differential.to_dict()
         if spec.warnings:   # doubtful but valid settings (a CPU cache beyond the run's share of the node)
             summary[HARDWARE_WARNINGS_KEY] = list(spec.warnings)
         if result.reproducers:

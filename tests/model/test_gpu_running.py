@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuKVCache
+from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from tests.helpers import fa, swa
 
@@ -99,10 +100,10 @@ def test_below_thresholds_nothing_changes(layout: Layout, prompt: int, steps: li
 
 
 def _reference_window_hit(gpu: GpuKVCache, g: int, hashes: list[int], max_tokens: int) -> int:
-    """The plain definition: the largest boundary whose retained blocks are all cached."""
+    """The plain definition: the largest boundary whose hit blocks are all cached."""
     bs = gpu.layout.groups[g].tokens_per_block
     for end in range(max_tokens // bs, 0, -1):
-        first, _ = gpu.retained_range(g, end * bs)
+        first = gpu.hit_first(g, end * bs)
         if all(gpu.pool.cached((hashes[(i + 1) * (bs // 8) - 1], g)) is not None for i in range(first, end)):
             return end * bs
     return 0
@@ -126,3 +127,87 @@ def test_window_hit_scan_equals_the_definition(kind: str, bs: int, window: int, 
             gpu.pool.free([b])
     max_tokens = data.draw(st.integers(0, n * bs))
     assert gpu._group_hit(1, hashes, max_tokens) == _reference_window_hit(gpu, 1, hashes, max_tokens)
+
+
+def _hashed(gpu: GpuKVCache | GpuFastCache, req: str) -> list[list[bool]]:
+    """Per group, whether each block of ``req`` carries a hash."""
+    if isinstance(gpu, GpuFastCache):
+        return [[b != NULL_BLOCK_ID and gpu.pool.bhash[b] is not None for b in ids]
+                for ids in gpu.block_ids(req)]
+    return [[b.block_hash is not None for b in blocks] for blocks in gpu.req_blocks[req]]
+
+
+def test_hybrid_layouts_hash_up_to_the_scheduler_block_size() -> None:
+    """vLLM's hybrid coordinator caches a request's blocks only up to its computed tokens
+    rounded down to the scheduler block size (the groups' least common multiple, 32 here;
+    ``_align_cacheable``, 0.29 to 0.33), an EAGLE group one block further; one group
+    caches every complete block. Found by the differential mode: kvsim hashed a decoding
+    request's blocks past the boundary, so they went to the tail of the free queue when it
+    finished where vLLM's (unhashed) went to the head, and later block ids, and a flush,
+    differed."""
+    layout = Layout.of([fa(32), fa(8, eagle=True), fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    assert layout.gpu_cache_align == 32
+    assert [layout.cacheable_tokens(g, 60) for g in range(3)] == [32, 40, 32]
+    assert [layout.cacheable_tokens(g, 20) for g in range(3)] == [0, 0, 0]
+    hashes = _hashes(16)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 64)
+        assert gpu.allocate_new("r", ([], [], []), 0, 0, 60) is not None
+        gpu.commit("r", hashes, 60)
+        assert _hashed(gpu, "r") == [[True, False], [True] * 5 + [False] * 3, [True] * 4 + [False] * 4], cls
+        assert gpu.allocate_more("r", 60, 64) is not None
+        gpu.commit("r", hashes, 64)   # the boundary at 64: every complete block
+        assert _hashed(gpu, "r") == [[True, True], [True] * 8, [True] * 8], cls
+    one = Layout.of([fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    assert one.gpu_cache_align is None and one.cacheable_tokens(0, 60) == 60
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(one, 64)
+        assert gpu.allocate_new("r", ([],), 0, 0, 60) is not None
+        gpu.commit("r", hashes, 60)
+        assert _hashed(gpu, "r") == [[True] * 7 + [False]], cls
+
+
+def test_a_window_hit_needs_the_window_without_its_extra_retained_tokens() -> None:
+    """vLLM's sliding-window prefix hit needs the last ``cdiv(W - 1, block size)`` blocks
+    before the boundary cached (``_contiguous_blocks_for_hit``, 0.29 to 0.33), not the
+    ``extra_retained_tokens`` the group keeps while running: with W = 32, 8-token blocks
+    and 6 extra tokens a hit at 64 tokens needs blocks 4..7, not 3..7, and hands out those
+    four. Found by the differential mode on the DeepSeek-V4-style MTP layout (vLLM hit 512
+    tokens on the GPU where kvsim's model hit none)."""
+    layout = Layout.of([swa(8, 32, extra=6)], tokens_per_hash=8, blocks_per_chunk=1)
+    hashes = _hashes(8)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 64)
+        assert gpu.allocate_new("a", ([],), 0, 0, 64) is not None
+        gpu.commit("a", hashes, 64)
+        gpu.free("a")
+        hit, lists = gpu.find_hit(hashes, 64)
+        assert hit == 64, cls
+        ids = [b if isinstance(b, int) else b.block_id for b in lists[0]]
+        assert [b != NULL_BLOCK_ID for b in ids] == [False] * 4 + [True] * 4, cls
+        assert gpu.hit_first(0, 64) == 4 and gpu.retained_range(0, 64)[0] == 3, cls
+
+
+def test_a_hash_stays_cached_while_another_block_carries_it() -> None:
+    """vLLM's prefix cache keeps every block committed under a hash (``BlockHashToBlockMap``):
+    when the entry is evicted, the earliest other block with that hash serves hits. Two
+    requests compute the same 32 tokens in blocks 1-2 and 3-4; freed (tail first), the
+    queue is 2, 1, 4, 3; taking two blocks evicts 2 and 1, and the prefix still hits, now
+    in 3-4. Found by the differential mode (Mooncake, vLLM hit 25,088 tokens on the GPU
+    where kvsim's model had lost them)."""
+    layout = Layout.of([fa(16)], tokens_per_hash=16, blocks_per_chunk=1)
+    hashes = _hashes(2)
+    for cls in (GpuKVCache, GpuFastCache):
+        gpu = cls(layout, 5)
+        for req in ("a", "b"):
+            assert gpu.allocate_new(req, ([],), 0, 0, 32) is not None
+            gpu.commit(req, hashes, 32)
+        assert gpu.block_ids("a") == [[1, 2]] and gpu.block_ids("b") == [[3, 4]]
+        gpu.free("a")
+        gpu.free("b")
+        assert gpu.pool.num_cached == 2
+        assert gpu.allocate_new("c", ([],), 0, 0, 32) is not None
+        assert gpu.block_ids("c") == [[2, 1]], cls   # tail first: evicts the entries
+        hit, lists = gpu.find_hit(hashes, 32)
+        assert hit == 32 and [b if isinstance(b, int) else b.block_id for b in lists[0]] == [3, 4], cls
+        assert gpu.pool.num_cached == 2, cls

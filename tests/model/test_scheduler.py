@@ -317,3 +317,47 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
     for s in range(70):
         step = ctx.load([(r.num_computed + s, 1, True) for r in rs])
         assert (bytes_[s], pairs[s]) == (step.kv_read_bytes, step.pairs)
+
+
+def test_a_finished_request_frees_its_skipped_window_blocks_first() -> None:
+    """With offloading, vLLM's ``_connector_finished`` frees the window blocks a finished
+    request no longer attends over (``remove_skipped_blocks``) before its other blocks, so
+    they go to the free queue first. Here the 62-token prompt's one decode step takes the
+    window (32 tokens) past sliding-window block 1 (id 6); the request then frees it alone
+    (hashed: to the tail), then full attention tail first (partial block 4 to the head,
+    3, 2, 1 to the tail), then the window group (partial block 8 to the head, 7 to the
+    tail). Found by the differential mode (a block id that differed from vLLM's)."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=1000),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=32, bytes_per_block=1000)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    sched = Scheduler(SchedulerConfig(layout=layout, gpu_blocks=20, cpu_capacity_chunks=100))
+    r = sched.add_request(make_request("a", 62, 2, 1))
+    plan = sched.schedule(0.0)
+    sched.update_from_output(1.0, plan, [])
+    plan = sched.schedule(1.0)
+    assert sched.gpu.block_ids("a") == [[1, 2, 3, 4], [0, 6, 7, 8]]
+    out = sched.update_from_output(2.0, plan, [])
+    assert [f.req_id for f in out.finished] == ["a"] and r.num_computed == 63
+    assert sched.gpu.pool.free_ids_head(19) == [8, 4, *range(9, 20), 5, 6, 3, 2, 1, 7]
+
+
+def test_admitting_a_request_fences_the_blocks_it_hit() -> None:
+    """vLLM's connector counts every block of a newly scheduled request as allocated in
+    the step, its prefix-cache hits included (``_update_req_states`` over the whole block
+    table), so a store still reading a block that another request's hit takes is flushed.
+    Here ``a``'s store job 0 reads its sliding-window blocks 5-8; ``b`` hits ``a``'s 64
+    tokens and takes blocks 7 and 8: job 0 is flushed. Found by the differential mode
+    (vLLM 0.29, the DeepSeek-V4-style MTP layout)."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=1000),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=32, bytes_per_block=1000)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    sched = Scheduler(SchedulerConfig(layout=layout, gpu_blocks=40, cpu_capacity_chunks=100))
+    sched.add_request(make_request("a", 64, 8, 1))
+    plan = sched.schedule(0.0)
+    assert [j.job_id for j in plan.stores] == [0] and not plan.flush
+    sched.update_from_output(1.0, plan, [])   # job 0 still in flight
+    b = sched.add_request(make_request("b", 80, 8, 1))
+    plan = sched.schedule(1.0)
+    assert [r.req_id for r in plan.admitted] == ["b"] and b.gpu_hit_tokens == 64
+    assert sched.gpu.block_ids("b") == [[1, 2, 3, 4, 11], [0, 0, 7, 8, 12]]
+    assert plan.flush == frozenset({0})

@@ -1,14 +1,30 @@
-"""The comparison kvsim fidelity makes, without vLLM: two runs of kvsim's own model.
+"""The comparisons kvsim fidelity and the differential mode make, without vLLM: two runs of
+kvsim's own model.
 
 (The runs against real vLLM are in tests/tools/test_vllm_mode.py.)
 """
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
+from typing import Any
 
-from sim.engine.loop import simulate
+from sim.engine.differential import (
+    DifferentialReport,
+    StepDecisions,
+    StepDivergence,
+    WatchingRecorder,
+    compare_steps,
+    describe,
+    lookup_reproducer,
+    simulate_differential,
+    write_lookup_case,
+)
+from sim.engine.loop import SimulationResult, simulate
 from sim.engine.metrics import MemorySink, Recorder
+from sim.io.check import CheckCase, parse_check, run_check
 from sim.io.scenario import load_run
 from sim.tools.fidelity import REQUEST_FIELDS, FidelityReport, _compare, _rows, format_report
 from tests.helpers import QUIET_FULL_ATTENTION
@@ -66,3 +82,91 @@ def test_a_request_rejected_on_one_side_is_a_known_divergence(tmp_path: Path) ->
     req["status"][i] = "rejected"
     rep = _report(a, b)
     assert rep.known == {"too_long": 1} and rep.divergences == []
+
+
+# -- the differential mode's lockstep, with a second run of kvsim's model standing in for vLLM --
+
+
+def _lockstep(tmp: Path, *other_sets: str,
+              folder: Path | None = None) -> tuple[SimulationResult, DifferentialReport]:
+    path = tmp / "d.toml"
+    path.write_text(SCENARIO)
+    spec = load_run(path, [])
+    other = load_run(path, [("test", s) for s in other_sets]).engine_config()
+    return simulate_differential(spec.engine_config(), spec.requests, WatchingRecorder(MemorySink()),
+                                 folder=folder, stand_in=other)
+
+
+def test_lockstep_of_the_same_run_has_no_divergence(tmp_path: Path) -> None:
+    result, rep = _lockstep(tmp_path, folder=tmp_path)
+    assert result.status == "ok" and rep.status == {"kvsim": "ok", "vllm": "ok"}
+    assert rep.divergence is None and rep.steps > 100 and rep.decisions > 2 * rep.steps
+    assert describe(rep.to_dict())[0].endswith(f"0 divergences in {rep.decisions} decisions ({rep.steps} "
+                                               "steps; known, from listed simplifications: none)")
+    assert not (tmp_path / "divergence.json").exists()
+
+
+def test_lockstep_stops_at_the_first_divergence(tmp_path: Path) -> None:
+    """A 40-chunk CPU cache on the other side: the first store it cannot take whole is the
+    divergence (fewer keys stored); both runs stop there (status diverged) and
+    divergence.json says why no check/1 case is written."""
+    result, rep = _lockstep(tmp_path, "cpu_cache.chunks=40", folder=tmp_path)
+    d = rep.divergence
+    assert d is not None and result.status == "diverged" and rep.status["vllm"] == "diverged"
+    assert d.what == "store_keys" and set(d.vllm or ()) < set(d.kvsim) and d.req_id
+    assert d.step == rep.steps - 1
+    saved = json.loads((tmp_path / "divergence.json").read_text())
+    assert saved["divergences"] == 1 and saved["first"]["what"] == "store_keys"
+    assert saved["reproducer"].startswith("none: check/1 states one request's lookup")
+    text = describe(saved)
+    assert ": 1 divergence in " in text[0] and "first divergence: step" in text[1]
+
+
+def _step(t: float = 1.0, **reqs: dict[str, Any]) -> StepDecisions:
+    return StepDecisions(t, dict(reqs))
+
+
+def test_compare_steps_field_by_field() -> None:
+    """The fields are compared in order; the first that differs is the divergence; a
+    request vLLM rejected on arrival is known (too_long), not a divergence."""
+    rep = DifferentialReport("x", "new")
+    same = {"lookup": (0, 32, True), "load_keys": ((5, 0), (6, 0))}
+    assert compare_steps(_step(r1=same), _step(r1=dict(same)), rep) is None
+    assert rep.decisions == 1 + 2
+    d = compare_steps(_step(r1={"lookup": (0, 32, True), "scheduled": 8}),
+                      _step(r1={"lookup": (0, 16, True), "scheduled": 9}), rep)
+    assert d is not None and (d.req_id, d.what) == ("r1", "lookup")
+    assert (d.kvsim, d.vllm) == ((0, 32, True), (0, 16, True))
+    assert d.single
+    d = compare_steps(_step(r1={"lookup": (16, 0, False)}), _step(r1={"lookup": (0, 16, False)}), rep)
+    assert d is not None and not d.single   # a different local hit: the pool's state, not one lookup
+    d = compare_steps(_step(1.0), _step(1.5, r1={"scheduled": 1}), rep)
+    assert d is not None and d.what == "step start"
+    rep = DifferentialReport("x", "new")
+    assert compare_steps(_step(r9={"lookup": (0, 0, False)}), _step(), rep, {"r9"}) is None
+    assert rep.known == {"too_long": 1}
+    crash = StepDecisions(1.0, {"r1": {"scheduled": 4}}, crashes=(("r1", "missing_chunk"),))
+    assert compare_steps(crash, StepDecisions(1.0, {}, crashes=(("r1", "missing_chunk"),)), rep) is None
+    d = compare_steps(crash, _step(r1={"scheduled": 4}), rep)
+    assert d is not None and d.what == "crashes"
+
+
+def test_a_diverging_lookup_gets_a_check_case_with_vllms_answer(tmp_path: Path) -> None:
+    """The reproducer of a lookup divergence: kvsim's model is run again up to that lookup,
+    and what it met is a check/1 case expecting the other side's answer; kvsim's model
+    gives its own answer on the case, so the case fails until the model agrees."""
+    path = tmp_path / "d.toml"
+    path.write_text(SCENARIO)
+    spec = load_run(path, [])
+    a = _run(tmp_path)
+    rows = [r for r in _rows(a, "requests") if r["cpu_hit_tokens"] > 0 and r["preemptions"] == 0]
+    r = rows[0]
+    ext = r["cpu_hit_tokens"]
+    div = StepDivergence(3, r["scheduled_s"], r["req_id"], "lookup", (r["gpu_hit_tokens"], ext, True),
+                         (r["gpu_hit_tokens"], 0, False))
+    snap = lookup_reproducer(spec.engine_config(), spec.requests(), div, MemorySink())
+    assert snap is not None and snap.req_id == r["req_id"] and snap.local_hit_tokens == r["gpu_hit_tokens"]
+    name = write_lookup_case(tmp_path, snap, div)
+    case = parse_check(tomllib.loads((tmp_path / name).read_text()), name)
+    assert case.expect["new"].external_tokens == 0
+    assert run_check(CheckCase.from_snapshot(snap), "new")["external_tokens"] == ext

@@ -62,6 +62,7 @@ def _write(tmp: Path, text: str, name: str) -> Path:
 def test_without_vllm_the_mode_is_one_line_and_exit_2(tmp_path: Path) -> None:
     scenario = _write(tmp_path, AGREE, "agree")
     for args in (["run", str(scenario), "--decisions", "vllm", "--out", str(tmp_path / "out")],
+                 ["run", str(scenario), "--decisions", "differential", "--out", str(tmp_path / "out")],
                  ["fidelity", str(scenario)]):
         r = _kvsim(sys.executable, *args, cwd=tmp_path)
         assert r.returncode == 2, r.stderr
@@ -113,6 +114,8 @@ def test_fidelity_agrees_on_full_attention(vllm_python: tuple[str, Path], tmp_pa
     assert rep["status"] == {"kvsim": "ok", "vllm": "ok"}
     assert rep["requests"] == 18 and rep["decisions"] >= rep["requests"] * len(REQUEST_FIELDS)
     assert rep["divergences"] == 0 and rep["first"] is None
+    lock = rep["lockstep"]
+    assert lock["divergences"] == 0 and lock["first"] is None and lock["decisions"] > rep["decisions"]
     model = _kvsim(sys.executable, "run", str(scenario), "--out", str(tmp_path / "m"), "-q", cwd=tmp_path)
     assert model.returncode == 0
     assert pd.read_parquet(tmp_path / "m" / "requests.parquet")["cpu_hit_tokens"].sum() > 0
@@ -128,7 +131,29 @@ def test_fidelity_on_the_hybrid_layout(vllm_python: tuple[str, Path], tmp_path: 
         r = _kvsim(python, "fidelity", str(scenario), "--set", "workload.sessions=10", *costs, cwd=tmp_path)
         lines = r.stdout.strip().splitlines()
         assert lines[0].startswith("fidelity: ") and f"vs vLLM {version}, 13 requests" in lines[0], r.stdout
-        assert r.returncode == 0 and lines[1].startswith("0 divergences in 227 decisions"), r.stdout
+        assert lines[1].startswith("differential: ") and ": 0 divergences in " in lines[1], r.stdout
+        assert r.returncode == 0 and lines[3].startswith("0 divergences in 227 decisions"), r.stdout
+
+
+def test_a_differential_run(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
+    """decisions = "differential": kvsim's model and vLLM in lockstep on the hybrid layout
+    with timed transfers; 0 divergences, recorded in summary.json, printed, exit 0; kvsim's
+    rows are the run's."""
+    version, python = vllm_python
+    scenario = _write(tmp_path, HYBRID, "hybrid")
+    out = tmp_path / "diff"
+    r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    diff = summary["differential"]
+    assert summary["end"] == "ok" and summary["run"]["decisions"] == "differential"
+    assert diff["vllm_version"] == version and diff["logic"] == VLLM_LOGIC_OF[version]
+    assert diff["divergences"] == 0 and diff["decisions"] > 1000
+    assert diff["status"] == {"kvsim": "ok", "vllm": "ok"}
+    assert f"0 divergences in {diff['decisions']} decisions" in r.stdout
+    assert not (out / "divergence.json").exists()
+    assert len(pd.read_parquet(out / "requests.parquet")) == summary["requests"]["finished"] == 8
 
 
 def test_the_mtp_crash_is_a_recorded_outcome(vllm_python: tuple[str, Path], tmp_path: Path,
