@@ -1,0 +1,68 @@
+"""kvsim against published measurements of vLLM with CPU KV offloading (issue 17, item 5).
+
+Every case of ``benchmarks/validation/published.toml`` (sources and readings in
+docs/validation.md) is replayed with the shipped model and hardware files
+(:mod:`sim.tools.validation`): the TTFT reduction a CPU hit gives (cold TTFT /
+CPU-hit TTFT, one request alone) and the throughput gain of a batch at a CPU hit
+rate (tokens/s over the same batch without hits). The table gives the published
+figure, kvsim's, the relative error (kvsim / published - 1) and whether it is
+within 25 %; the detail lines give the two figures each ratio is made of.
+Deterministic; about a minute.
+
+Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sim.tools.validation import TOLERANCE, load_cases, replay
+
+CASES = Path(__file__).resolve().parent / "validation" / "published.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=Path, default=CASES, help="a validation/1 file")
+    ap.add_argument("--only", nargs="*", default=None, help="case ids to run (default: all)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="shrink every throughput batch to this many requests (default: the published size)")
+    args = ap.parse_args(argv)
+    vf = load_cases(args.cases)
+    cases = [c for c in vf.cases if args.only is None or c.id in args.only]
+    print(f"# kvsim vs published vLLM CPU-offloading measurements ({args.cases.name}, {len(cases)} cases, "
+          f"tolerance {TOLERANCE:.0%})")
+    rows = []
+    details = []
+    for c in cases:
+        r = replay(c, args.cases.parent, requests=args.requests)
+        rows.append(r)
+        if c.metric == "ttft_reduction":
+            details.append(f"# {c.id}: kvsim cold TTFT {r.numerator * 1e3:,.1f} ms, CPU-hit TTFT "
+                           f"{r.denominator * 1e3:,.1f} ms")
+        else:
+            details.append(f"# {c.id}: kvsim {r.numerator:,.0f} tokens/s with hits, {r.denominator:,.0f} "
+                           "tokens/s without")
+    print("| case | source | model, GPU | metric | point | published | kvsim | error | within 25%? |")
+    print("|---|---|---|---|---|---:|---:|---:|---|")
+    for r in rows:
+        c = r.case
+        if c.metric == "ttft_reduction":
+            point, metric = f"{c.prompt_tokens:,} tokens", "TTFT cold / CPU hit"
+        else:
+            assert c.hit_rate is not None
+            point, metric = f"{c.hit_rate:.0%} CPU hits", "throughput vs 0 % hits"
+        print(f"| {c.id} | {c.source} | {c.model}, {c.gpu}"
+              f"{f' TP{c.tensor_parallel}' if c.tensor_parallel > 1 else ''} | {metric} | {point} "
+              f"| {c.published:.2f}x | {r.kvsim:.2f}x | {r.rel_error:+.0%} | {'yes' if r.within else 'no'} |")
+    for line in details:
+        print(line)
+    inside = sum(r.within for r in rows)
+    print(f"# {inside} of {len(rows)} cases within {TOLERANCE:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
