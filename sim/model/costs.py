@@ -546,6 +546,25 @@ GPU_PROFILES: dict[str, GpuProfile] = {
             *_HOST_SOURCES,
         ),
     ),
+    "h20": GpuProfile(
+        name="h20",
+        hbm_bytes=96 * _GB,
+        hbm_bandwidth_bytes_per_s=4.0e12,
+        dense_bf16_flops=148e12,
+        h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+        d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
+        sources=(
+            "https://willitrunai.com/es/gpus/h20-96gb: H20 96 GB HBM3, 4.0 TB/s, 148 TFLOPS FP16 (dense; "
+            "NVIDIA publishes no datasheet for this export part, so third-party figures)",
+            "https://zangshuxian.com/new/674733024499207168: H20 FP16 dense 148 TFLOPS, 4.0 TB/s",
+            "https://gitea.gahow.org/gahow/agentic-kvc/src/commit/837df6bc9e05f5a5b4af27a36356efdd4cff2ecd/"
+            "v2/exp_a_tier_latency/results/pcie.json: pinned H2D copies of 0.1-6.4 GB measured "
+            "53.7-54.9 GB/s on an H20 host (the 55 GB/s PCIe Gen5 x16 figure)",
+            *_PCIE_SOURCES,
+            *_HOST_SOURCES,
+        ),
+    ),
 }
 
 
