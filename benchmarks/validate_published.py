@@ -7,9 +7,11 @@ CPU-hit TTFT, one request alone) and the throughput gain of a batch at a CPU hit
 rate (tokens/s over the same batch without hits). The table gives the published
 figure, kvsim's, the relative error (kvsim / published - 1) and whether it is
 within 25 %; the detail lines give the two figures each ratio is made of.
-Deterministic; about a minute.
+``--mfu X`` replays with a prefill efficiency of X instead of the model's default
+(0.5, an assumption of docs/costs.md): a sensitivity diagnostic, printed as such,
+never a calibration. Deterministic; about half a minute.
 
-Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N]
+Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N] [--mfu X]
 """
 
 from __future__ import annotations
@@ -29,19 +31,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="case ids to run (default: all)")
     ap.add_argument("--requests", type=int, default=None,
                     help="shrink every throughput batch to this many requests (default: the published size)")
+    ap.add_argument("--mfu", type=float, default=None,
+                    help="what-if: fraction of dense BF16 peak the kernels reach (default: the model's 0.5)")
     args = ap.parse_args(argv)
     vf = load_cases(args.cases)
     cases = [c for c in vf.cases if args.only is None or c.id in args.only]
+    what_if = "" if args.mfu is None else f", WHAT-IF mfu = {args.mfu:g} (not the model's default)"
     print(f"# kvsim vs published vLLM CPU-offloading measurements ({args.cases.name}, {len(cases)} cases, "
-          f"tolerance {TOLERANCE:.0%})")
+          f"tolerance {TOLERANCE:.0%}{what_if})")
     rows = []
     details = []
     for c in cases:
-        r = replay(c, args.cases.parent, requests=args.requests)
+        r = replay(c, args.cases.parent, requests=args.requests, mfu=args.mfu)
         rows.append(r)
         if c.metric == "ttft_reduction":
-            details.append(f"# {c.id}: kvsim cold TTFT {r.numerator * 1e3:,.1f} ms, CPU-hit TTFT "
-                           f"{r.denominator * 1e3:,.1f} ms")
+            line = (f"# {c.id}: kvsim cold TTFT {r.numerator * 1e3:,.1f} ms, CPU-hit TTFT "
+                    f"{r.denominator * 1e3:,.1f} ms")
+            if c.published_parts is not None:
+                cold, hit = c.published_parts
+                line += (f" (published {cold * 1e3:,.1f} ms and {hit * 1e3:,.1f} ms: kvsim "
+                         f"{r.numerator / cold - 1:+.0%} and {r.denominator / hit - 1:+.0%})")
+            details.append(line)
         else:
             details.append(f"# {c.id}: kvsim {r.numerator:,.0f} tokens/s with hits, {r.denominator:,.0f} "
                            "tokens/s without")

@@ -38,6 +38,7 @@ Invariants
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from sim.errors import InputError
 from sim.io.scenario import build_run, located
 from sim.io.schema import Strict
 from sim.io.workload import Request, chain_hash
+from sim.model.costs import DEFAULT_MFU, RooflineStepModel
 
 __all__ = ["CaseResult", "PublishedCase", "ValidationFile", "load_cases", "replay", "throughput", "ttft_pair"]
 
@@ -89,6 +91,9 @@ class PublishedCase(Strict):
         default=None, gt=0, description="stored prompts the hits cycle over (throughput_gain; default: "
         "as many as the CPU cache holds, times the hit rate, as the measured benchmark)")
     published: float = Field(gt=0, description="the published figure")
+    published_parts: list[float] | None = Field(
+        default=None, min_length=2, max_length=2, description="the two published figures the ratio is made of, when given (TTFT: cold "
+        "and CPU-hit seconds)")
     reading: str = Field(description="how the figure was read: text, table, or off a plot (with its error)")
     run: dict[str, Any] = Field(default_factory=dict, description="run/1 keys of the replay (vLLM settings)")
 
@@ -172,14 +177,21 @@ def _request(rid: str, arrival_s: float, prompt: int, key: int, tph: int, salt: 
     return Request(rid, arrival_s, prompt, out, hashes, tokens_per_hash=tph)
 
 
-def _spec(case: PublishedCase, base: Path) -> Any:
+def _spec(case: PublishedCase, base: Path, mfu: float | None = None) -> Any:
     data: dict[str, Any] = copy.deepcopy(case.run)
     data["schema"] = "run/1"
     data["name"] = case.id
     data.setdefault("model", {})["name"] = case.model
     data.setdefault("hardware", {})["profile"] = case.gpu
     data.setdefault("costs", {})["tensor_parallel"] = case.tensor_parallel
-    return build_run(data, base)
+    spec = build_run(data, base)
+    if mfu is None:
+        return spec
+    step = spec.step_cost
+    if not isinstance(step, RooflineStepModel):
+        raise ValueError(f"case {case.id}: mfu applies to the roofline step model only")
+    scaled = dataclasses.replace(step, flops_per_s=step.flops_per_s * mfu / DEFAULT_MFU)
+    return dataclasses.replace(spec, step_cost=scaled)
 
 
 def _frames(spec: Any, reqs: Sequence[Request], case: PublishedCase) -> Any:
@@ -190,9 +202,10 @@ def _frames(spec: Any, reqs: Sequence[Request], case: PublishedCase) -> Any:
     return sink.frames()["requests"].set_index("req_id")
 
 
-def ttft_pair(case: PublishedCase, base: Path) -> tuple[float, float]:
-    """Cold and CPU-hit TTFT (s) of the case's prompt, each alone on an idle engine."""
-    spec = _spec(case, base)
+def ttft_pair(case: PublishedCase, base: Path, mfu: float | None = None) -> tuple[float, float]:
+    """Cold and CPU-hit TTFT (s) of the case's prompt, each alone on an idle engine (``mfu``:
+    a what-if prefill efficiency instead of :data:`~sim.model.costs.DEFAULT_MFU`)."""
+    spec = _spec(case, base, mfu)
     tph = spec.layout.tokens_per_hash
     reqs = [_request("cold", 0.0, case.prompt_tokens, 1, tph, 0),
             _request("hit", _GAP_S, case.prompt_tokens, 1, tph, 1)]
@@ -202,9 +215,11 @@ def ttft_pair(case: PublishedCase, base: Path) -> tuple[float, float]:
     return float(df.loc["cold", "ttft_s"]), float(df.loc["hit", "ttft_s"])
 
 
-def throughput(case: PublishedCase, base: Path, hit_rate: float, requests: int | None = None) -> float:
-    """Tokens/s of the case's batch at ``hit_rate`` (``requests`` overrides the batch size)."""
-    spec = _spec(case, base)
+def throughput(case: PublishedCase, base: Path, hit_rate: float, requests: int | None = None,
+               mfu: float | None = None) -> float:
+    """Tokens/s of the case's batch at ``hit_rate`` (``requests`` overrides the batch size;
+    ``mfu`` as in :func:`ttft_pair`)."""
+    spec = _spec(case, base, mfu)
     tph = spec.layout.tokens_per_hash
     n = requests or case.requests or 0
     hits = round(hit_rate * 100)
@@ -234,12 +249,24 @@ def throughput(case: PublishedCase, base: Path, hit_rate: float, requests: int |
     return tokens / (float(measured.finish_s.max()) - _GAP_S)
 
 
-def replay(case: PublishedCase, base: Path, *, requests: int | None = None) -> CaseResult:
-    """Replay one case; ``requests`` shrinks a throughput batch (tests)."""
+def replay(case: PublishedCase, base: Path, *, requests: int | None = None, mfu: float | None = None
+           ) -> CaseResult:
+    """Replay one case.
+
+    Args:
+        case: the published figure and its setup.
+        base: folder that relative paths of the case's ``run`` keys start from.
+        requests: shrinks a throughput batch (tests).
+        mfu: a what-if prefill efficiency (a sensitivity diagnostic, never a calibration).
+
+    Raises:
+        InputError: the case's run keys do not make a valid scenario.
+        RuntimeError: a replay did not end ``ok``, or its CPU hit did not happen.
+    """
     if case.metric == "ttft_reduction":
-        cold, hit = ttft_pair(case, base)
+        cold, hit = ttft_pair(case, base, mfu)
         return CaseResult(case, cold / hit, cold, hit)
     assert case.hit_rate is not None
-    with_hits = throughput(case, base, case.hit_rate, requests)
-    without = throughput(case, base, 0.0, requests)
+    with_hits = throughput(case, base, case.hit_rate, requests, mfu)
+    without = throughput(case, base, 0.0, requests, mfu)
     return CaseResult(case, with_hits / without, with_hits, without)
