@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     pairs = ", ".join(f"{f:.4g}" for f in model.pair_flops)
     print(f"# step model: token {model.token_flops:.4g} FLOP, LM head {model.sample_flops:.4g} FLOP/request, "
           f"pairs {pairs} FLOP, weights {model.weight_bytes:.4g} B, "
-          f"{model.flops_per_s:.4g} FLOP/s, {model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
+          f"{model.flops_per_s:.4g} FLOP/s (attention pairs: "
+          f"{', '.join(f'{r:.4g}' for r in model.pair_flops_per_s) or 'the same'}), "
+          f"{model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
           f"{model.host.per_request_s:g} s/request")
     one = StepLoad(decode_seqs=1, requests=1, pairs=(0,) * len(layout.groups))
     print(f"# (a decode step of one sequence with no context: {model.time(one) * 1e3:.2f} ms)")
