@@ -7,9 +7,9 @@ CPU-hit TTFT, one request alone) and the throughput gain of a batch at a CPU hit
 rate (tokens/s over the same batch without hits). The table gives the published
 figure, kvsim's, the relative error (kvsim / published - 1) and whether it is
 within 25 %; the detail lines give the two figures each ratio is made of.
-``--mfu X`` replays with a prefill efficiency of X instead of the model's default
-(0.5, an assumption of docs/costs.md): a sensitivity diagnostic, printed as such,
-never a calibration. Deterministic; about half a minute.
+``--mfu X`` replays with the matmuls at X of peak instead of the model's default
+(0.5, an assumption of docs/costs.md; attention keeps its own 0.62): a sensitivity
+diagnostic, printed as such, never a calibration. Deterministic; about half a minute.
 
 Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N] [--mfu X]
 """
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None,
                     help="shrink every throughput batch to this many requests (default: the published size)")
     ap.add_argument("--mfu", type=float, default=None,
-                    help="what-if: fraction of dense BF16 peak the kernels reach (default: the model's 0.5)")
+                    help="what-if: fraction of dense BF16 peak the matmuls reach (default: the model's 0.5)")
     args = ap.parse_args(argv)
     vf = load_cases(args.cases)
     cases = [c for c in vf.cases if args.only is None or c.id in args.only]

@@ -92,8 +92,8 @@ class PublishedCase(Strict):
         "as many as the CPU cache holds, times the hit rate, as the measured benchmark)")
     published: float = Field(gt=0, description="the published figure")
     published_parts: list[float] | None = Field(
-        default=None, min_length=2, max_length=2, description="the two published figures the ratio is made of, when given (TTFT: cold "
-        "and CPU-hit seconds)")
+        default=None, min_length=2, max_length=2,
+        description="the two published figures the ratio is made of, when given (TTFT: cold and CPU-hit s)")
     reading: str = Field(description="how the figure was read: text, table, or off a plot (with its error)")
     run: dict[str, Any] = Field(default_factory=dict, description="run/1 keys of the replay (vLLM settings)")
 
@@ -204,7 +204,8 @@ def _frames(spec: Any, reqs: Sequence[Request], case: PublishedCase) -> Any:
 
 def ttft_pair(case: PublishedCase, base: Path, mfu: float | None = None) -> tuple[float, float]:
     """Cold and CPU-hit TTFT (s) of the case's prompt, each alone on an idle engine (``mfu``:
-    a what-if prefill efficiency instead of :data:`~sim.model.costs.DEFAULT_MFU`)."""
+    a what-if efficiency of the matmuls instead of :data:`~sim.model.costs.DEFAULT_MFU`;
+    attention pairs keep their own)."""
     spec = _spec(case, base, mfu)
     tph = spec.layout.tokens_per_hash
     reqs = [_request("cold", 0.0, case.prompt_tokens, 1, tph, 0),
@@ -257,7 +258,7 @@ def replay(case: PublishedCase, base: Path, *, requests: int | None = None, mfu:
         case: the published figure and its setup.
         base: folder that relative paths of the case's ``run`` keys start from.
         requests: shrinks a throughput batch (tests).
-        mfu: a what-if prefill efficiency (a sensitivity diagnostic, never a calibration).
+        mfu: a what-if efficiency of the matmuls (a sensitivity diagnostic, never a calibration).
 
     Raises:
         InputError: the case's run keys do not make a valid scenario.
