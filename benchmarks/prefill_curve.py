@@ -43,7 +43,7 @@ def attention_share(model: object, layout: Layout, prompt: int, budget: int) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a shipped model file with a [shape]")
-    ap.add_argument("--gpu", default="h100", help="a GPU profile (h100, h200)")
+    ap.add_argument("--gpu", default="h100", help="a GPU profile (h100, h200, h20)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     args = ap.parse_args(argv)
