@@ -11,7 +11,11 @@ within 25 %; the detail lines give the two figures each ratio is made of.
 (0.5, an assumption of docs/costs.md; attention keeps its own 0.62): a sensitivity
 diagnostic, printed as such, never a calibration. Deterministic; about half a minute.
 
-Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N] [--mfu X]
+``--curves`` adds kvsim's whole curves over each source's measured grid (prompt
+sizes, hit rates), for reading against the published plots.
+
+Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [--requests N]
+       [--mfu X] [--curves]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sim.tools.validation import TOLERANCE, load_cases, replay
+from sim.tools.validation import TOLERANCE, ValidationFile, load_cases, replay, throughput, ttft_pair
 
 CASES = Path(__file__).resolve().parent / "validation" / "published.toml"
 
@@ -33,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="shrink every throughput batch to this many requests (default: the published size)")
     ap.add_argument("--mfu", type=float, default=None,
                     help="what-if: fraction of dense BF16 peak the matmuls reach (default: the model's 0.5)")
+    ap.add_argument("--curves", action="store_true",
+                    help="also print kvsim's whole curves over each source's measured grid")
     args = ap.parse_args(argv)
     vf = load_cases(args.cases)
     cases = [c for c in vf.cases if args.only is None or c.id in args.only]
@@ -71,7 +77,35 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     inside = sum(r.within for r in rows)
     print(f"# {inside} of {len(rows)} cases within {TOLERANCE:.0%}")
+    if args.curves:
+        curves(vf, args.cases.parent, args.requests, args.mfu)
     return 0
+
+
+def curves(vf: ValidationFile, base: Path, requests: int | None, mfu: float | None) -> None:
+    """kvsim's figures over each source's grid, the setup of its first case of each metric
+    (no published figure at most points: the curves' shape, for reading against the plots)."""
+    for key, src in vf.sources.items():
+        ttft = next((c for c in vf.cases if c.source == key and c.metric == "ttft_reduction"), None)
+        if ttft is not None and src.prompt_grid:
+            print(f"\n# {key}: kvsim TTFT cold / CPU hit over the measured prompt sizes "
+                  f"({ttft.model}, {ttft.gpu})")
+            print("| prompt tokens | cold TTFT | CPU-hit TTFT | reduction |")
+            print("| ---: | ---: | ---: | ---: |")
+            for n in src.prompt_grid:
+                cold, hit = ttft_pair(ttft.model_copy(update={"prompt_tokens": n}), base, mfu)
+                print(f"| {n:,} | {cold * 1e3:,.1f} ms | {hit * 1e3:,.1f} ms | {cold / hit:.2f}x |")
+        thr = next((c for c in vf.cases if c.source == key and c.metric == "throughput_gain"), None)
+        if thr is not None and src.hit_rate_grid:
+            print(f"\n# {key}: kvsim throughput over the measured CPU hit rates ({thr.model}, {thr.gpu}, "
+                  f"{requests or thr.requests:,} x {thr.prompt_tokens:,} tokens)")
+            print("| CPU hit rate | tokens/s | gain over 0 % |")
+            print("| ---: | ---: | ---: |")
+            base_rate = None
+            for h in src.hit_rate_grid:
+                rate = throughput(thr, base, h, requests, mfu)
+                base_rate = base_rate or rate
+                print(f"| {h:.0%} | {rate:,.0f} | {rate / base_rate:.2f}x |")
 
 
 if __name__ == "__main__":

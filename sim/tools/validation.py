@@ -73,6 +73,10 @@ class Source(Strict):
     date: str = Field(description="publication date, YYYY-MM-DD")
     text: str | None = Field(default=None, description="address of its text, when the page is rendered")
     setup: str = Field(description="the measured setup: software, GPU, model, settings")
+    prompt_grid: list[int] = Field(default_factory=list,
+                                   description="prompt sizes the source measured (kvsim's curve)")
+    hit_rate_grid: list[float] = Field(default_factory=list,
+                                       description="CPU hit rates the source measured (kvsim's curve)")
 
 
 class PublishedCase(Strict):
