@@ -206,6 +206,12 @@ def _frames(spec: Any, reqs: Sequence[Request], case: PublishedCase) -> Any:
     return sink.frames()["requests"].set_index("req_id")
 
 
+def _first_phase_done(df: Any, case: PublishedCase) -> None:
+    first = df[df.arrival_s < _GAP_S]
+    if len(first) and not (first.finish_s < _GAP_S).all():
+        raise RuntimeError(f"case {case.id}: the first phase had not finished {_GAP_S:g} s later")
+
+
 def ttft_pair(case: PublishedCase, base: Path, mfu: float | None = None) -> tuple[float, float]:
     """Cold and CPU-hit TTFT (s) of the case's prompt, each alone on an idle engine (``mfu``:
     a what-if efficiency of the matmuls instead of :data:`~sim.model.costs.DEFAULT_MFU`;
@@ -215,6 +221,7 @@ def ttft_pair(case: PublishedCase, base: Path, mfu: float | None = None) -> tupl
     reqs = [_request("cold", 0.0, case.prompt_tokens, 1, tph, 0),
             _request("hit", _GAP_S, case.prompt_tokens, 1, tph, 1)]
     df = _frames(spec, reqs, case)
+    _first_phase_done(df, case)
     if int(df.loc["hit", "cpu_hit_tokens"]) == 0:
         raise RuntimeError(f"case {case.id}: the second request found nothing in the CPU cache")
     return float(df.loc["cold", "ttft_s"]), float(df.loc["hit", "ttft_s"])
@@ -247,6 +254,7 @@ def throughput(case: PublishedCase, base: Path, hit_rate: float, requests: int |
         else:
             batch.append(_request(f"m{i}", _GAP_S, case.prompt_tokens, 2_000_000 + i, tph, distinct + i))
     df = _frames(spec, warm + batch, case)
+    _first_phase_done(df, case)
     measured = df[df.arrival_s >= _GAP_S]
     if not (measured.status == "finished").all():
         raise RuntimeError(f"case {case.id}: not every request of the batch finished")
