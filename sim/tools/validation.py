@@ -258,6 +258,10 @@ def throughput(case: PublishedCase, base: Path, hit_rate: float, requests: int |
     measured = df[df.arrival_s >= _GAP_S]
     if not (measured.status == "finished").all():
         raise RuntimeError(f"case {case.id}: not every request of the batch finished")
+    hit_requests = int((measured.cpu_hit_tokens > 0).sum())
+    wanted = sum(1 for r in batch if r.req_id.startswith("h"))
+    if hit_requests != wanted:
+        raise RuntimeError(f"case {case.id}: {hit_requests} CPU hits in the batch, {wanted} planned")
     tokens = int((measured.prompt_tokens + measured.output_tokens).sum())
     return tokens / (float(measured.finish_s.max()) - _GAP_S)
 
