@@ -43,7 +43,7 @@ def attention_share(model: object, layout: Layout, prompt: int, budget: int) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a shipped model file with a [shape]")
-    ap.add_argument("--gpu", default="h100", help="a GPU profile (h100, h200)")
+    ap.add_argument("--gpu", default="h100", help="a GPU profile (h100, h200, h20)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     args = ap.parse_args(argv)
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     pairs = ", ".join(f"{f:.4g}" for f in model.pair_flops)
     print(f"# step model: token {model.token_flops:.4g} FLOP, LM head {model.sample_flops:.4g} FLOP/request, "
           f"pairs {pairs} FLOP, weights {model.weight_bytes:.4g} B, "
-          f"{model.flops_per_s:.4g} FLOP/s, {model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
+          f"{model.flops_per_s:.4g} FLOP/s (attention pairs: "
+          f"{', '.join(f'{r:.4g}' for r in model.pair_flops_per_s) or 'the same'}), "
+          f"{model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
           f"{model.host.per_request_s:g} s/request")
     one = StepLoad(decode_seqs=1, requests=1, pairs=(0,) * len(layout.groups))
     print(f"# (a decode step of one sequence with no context: {model.time(one) * 1e3:.2f} ms)")

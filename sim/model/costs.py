@@ -14,8 +14,8 @@ What it models
 
           step = host_step_s + host_per_request_s x requests
                + max(compute_s, memory_s)
-          compute_s = (token_flops x new tokens + sample_flops x requests
-                       + sum over groups g of pair_flops[g] x pairs[g]) / (peak x mfu)
+          compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu)
+                    + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
           memory_s  = (weight_bytes + kv_read_bytes) / (hbm_bandwidth x mbu)
 
       per worker (tensor parallelism divides FLOPs, weights and KV). The
@@ -55,8 +55,9 @@ What it models
 
 Simplifications
     * Compute and memory overlap perfectly inside a step (the roofline's
-      ``max``); kernels are assumed to reach constant fractions ``mfu`` and
-      ``mbu`` of the peaks, whatever their shapes.
+      ``max``); kernels are assumed to reach constant fractions of the peaks,
+      whatever their shapes: ``mfu`` (matmuls, LM head, mamba updates),
+      ``eff`` (attention pairs, :data:`DEFAULT_ATTENTION_EFFICIENCY`) and ``mbu``.
     * The host overhead (scheduling, input preparation, sampling, output
       processing) is serial with the forward pass (vLLM's default synchronous
       scheduling) and linear in the scheduled requests.
@@ -89,6 +90,7 @@ from typing import Literal, Protocol
 from sim.model.layout import GroupKind, GroupSpec, Layout
 
 __all__ = [
+    "DEFAULT_ATTENTION_EFFICIENCY",
     "DEFAULT_MBU",
     "DEFAULT_MFU",
     "GPU_PROFILES",
@@ -114,8 +116,13 @@ __all__ = [
     "roofline_step_model",
 ]
 
-#: Default model-FLOP utilisation of matmuls and attention (assumption, see docs/costs.md).
+#: Default model-FLOP utilisation of the matmuls (attention: below; assumption, see docs/costs.md).
 DEFAULT_MFU = 0.5
+#: Default fraction of dense BF16 peak that attention kernels reach on the query-key pairs of
+#: attention groups (not mamba): FlashAttention-3, which vLLM's FlashAttention backend runs on
+#: Hopper, measured 614-621 TFLOP/s of 989 on an H100 at head dim 128 and 8k-16k tokens
+#: (pytorch/benchmark PR 2391); its paper states up to 75 % (arXiv:2407.08608). See docs/costs.md.
+DEFAULT_ATTENTION_EFFICIENCY = 0.62
 #: Default memory-bandwidth utilisation of weight and KV reads (see docs/costs.md).
 DEFAULT_MBU = 0.8
 #: FLOPs per recurrent-state element and token of a mamba (Gated DeltaNet) layer: decay (1),
@@ -316,6 +323,9 @@ class RooflineStepModel:
         weight_bytes: weight bytes read once per step.
         flops_per_s: effective FLOP/s (peak x mfu).
         bytes_per_s: effective HBM bytes/s (peak x mbu).
+        pair_flops_per_s: per KV cache group, the effective FLOP/s of its pairs (attention
+            kernels reach a different fraction of peak than the matmuls); empty: every
+            group at ``flops_per_s``.
         host: the engine's own time per step.
     """
 
@@ -326,6 +336,7 @@ class RooflineStepModel:
     flops_per_s: float
     bytes_per_s: float
     host: HostOverhead = HostOverhead()
+    pair_flops_per_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         o = "RooflineStepModel"
@@ -335,14 +346,24 @@ class RooflineStepModel:
                            tuple(_finite_non_negative(o, "pair_flops", v) for v in self.pair_flops))
         object.__setattr__(self, "flops_per_s", _positive(o, "flops_per_s", self.flops_per_s, allow_inf=True))
         object.__setattr__(self, "bytes_per_s", _positive(o, "bytes_per_s", self.bytes_per_s, allow_inf=True))
+        object.__setattr__(self, "pair_flops_per_s", tuple(
+            _positive(o, "pair_flops_per_s", v, allow_inf=True) for v in self.pair_flops_per_s))
+        if self.pair_flops_per_s and len(self.pair_flops_per_s) != len(self.pair_flops):
+            raise ValueError(f"{o}.pair_flops_per_s needs one rate per group ({len(self.pair_flops)}), "
+                             f"got {len(self.pair_flops_per_s)}")
 
     def compute_s(self, load: StepLoad) -> float:
-        """The step's FLOPs over the effective FLOP/s."""
+        """The step's FLOPs over the effective FLOP/s (each group's pairs at their own rate)."""
         flops = (self.token_flops * (load.prefill_tokens + load.decode_seqs)
                  + self.sample_flops * load.requests)
-        for f, n in zip(self.pair_flops, load.pairs, strict=True):
-            flops += f * n
-        return flops / self.flops_per_s
+        if not self.pair_flops_per_s:
+            for f, n in zip(self.pair_flops, load.pairs, strict=True):
+                flops += f * n
+            return flops / self.flops_per_s
+        t = flops / self.flops_per_s
+        for f, n, r in zip(self.pair_flops, load.pairs, self.pair_flops_per_s, strict=True):
+            t += f * n / r
+        return t
 
     def memory_s(self, load: StepLoad) -> float:
         """The step's bytes (weights once, attended KV) over the effective bandwidth."""
@@ -546,6 +567,25 @@ GPU_PROFILES: dict[str, GpuProfile] = {
             *_HOST_SOURCES,
         ),
     ),
+    "h20": GpuProfile(
+        name="h20",
+        hbm_bytes=96 * _GB,
+        hbm_bandwidth_bytes_per_s=4.0e12,
+        dense_bf16_flops=148e12,
+        h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+        d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
+        sources=(
+            "https://willitrunai.com/es/gpus/h20-96gb: H20 96 GB HBM3, 4.0 TB/s, 148 TFLOPS FP16 (dense; "
+            "NVIDIA publishes no datasheet for this export part, so third-party figures)",
+            "https://zangshuxian.com/new/674733024499207168: H20 FP16 dense 148 TFLOPS, 4.0 TB/s",
+            "https://gitea.gahow.org/gahow/agentic-kvc/src/commit/837df6bc9e05f5a5b4af27a36356efdd4cff2ecd/"
+            "v2/exp_a_tier_latency/results/pcie.json: pinned H2D copies of 0.1-6.4 GB measured "
+            "53.7-54.9 GB/s on an H20 host (the 55 GB/s PCIe Gen5 x16 figure)",
+            *_PCIE_SOURCES,
+            *_HOST_SOURCES,
+        ),
+    ),
 }
 
 
@@ -687,6 +727,7 @@ def roofline_step_model(
     mfu: float = DEFAULT_MFU,
     mbu: float = DEFAULT_MBU,
     host: HostOverhead | None = None,
+    attention_efficiency: float = DEFAULT_ATTENTION_EFFICIENCY,
 ) -> RooflineStepModel:
     """The roofline step model of one worker of ``tensor_parallel`` GPUs.
 
@@ -702,21 +743,25 @@ def roofline_step_model(
         mfu: fraction of dense BF16 peak the kernels reach, in (0, 1].
         mbu: fraction of peak HBM bandwidth the weight and KV reads reach, in (0, 1].
         host: the engine's own time (default: the GPU profile's).
+        attention_efficiency: fraction of dense BF16 peak the attention kernels reach on
+            the pairs of attention groups, in (0, 1] (mamba groups: ``mfu``).
 
     Raises:
-        ValueError: bad ``tensor_parallel``, ``mfu`` or ``mbu``; a parameter count
+        ValueError: bad ``tensor_parallel``, ``mfu``, ``mbu`` or ``attention_efficiency``; a parameter count
             that cannot be derived; a mamba group without ``mamba_state_elements``.
     """
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
     mfu = _fraction("roofline_step_model", "mfu", mfu)
     mbu = _fraction("roofline_step_model", "mbu", mbu)
+    attention_efficiency = _fraction("roofline_step_model", "attention_efficiency", attention_efficiency)
     pgroups = groups if param_groups is None else param_groups
     _, active = shape.param_counts(pgroups)
     tp = tensor_parallel
     emb = shape.embedding_params
     body = active - emb * (1 if shape.tied_embeddings else 2)
     pair_flops: list[float] = []
+    pair_rates: list[float] = []
     for g in groups:
         layers = g.shape.layers if g.shape is not None else 1
         if g.kind is GroupKind.MAMBA:
@@ -724,9 +769,11 @@ def roofline_step_model(
                 raise ValueError(f"model {shape.name!r} has mamba groups: its shape needs "
                                  "mamba_state_elements")
             f = MAMBA_FLOPS_PER_STATE_ELEMENT * shape.mamba_state_elements * layers
+            pair_rates.append(gpu.dense_bf16_flops * mfu)
         else:
             head = g.shape.head_size if g.shape is not None else 1
             f = 4 * shape.query_heads * head * layers
+            pair_rates.append(gpu.dense_bf16_flops * attention_efficiency)
         pair_flops.append(f / tp)
     return RooflineStepModel(
         token_flops=2.0 * max(body, 0) / tp,
@@ -736,6 +783,7 @@ def roofline_step_model(
         flops_per_s=gpu.dense_bf16_flops * mfu,
         bytes_per_s=gpu.hbm_bandwidth_bytes_per_s * mbu,
         host=gpu.host if host is None else host,
+        pair_flops_per_s=tuple(pair_rates),
     )
 
 

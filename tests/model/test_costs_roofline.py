@@ -158,8 +158,9 @@ def test_llama_8b_prefill_figures_by_hand() -> None:
     g = GPU_PROFILES["h100"]
     params = 8_029_995_008
     emb = 128256 * 4096
-    flops = 2 * (params - 2 * emb) * 1000 + 2 * emb + 4 * 32 * 128 * 32 * 500_500
-    compute = flops / (g.dense_bf16_flops * 0.5)
+    matmuls = 2 * (params - 2 * emb) * 1000 + 2 * emb      # at mfu 0.5
+    attention = 4 * 32 * 128 * 32 * 500_500                 # at the attention efficiency 0.62
+    compute = matmuls / (g.dense_bf16_flops * 0.5) + attention / (g.dense_bf16_flops * 0.62)
     memory = (2 * params + 1000 * 131_072) / (g.hbm_bandwidth_bytes_per_s * 0.8)
     assert compute > memory                    # a 1,000-token prefill is compute-bound
     want = 1.4e-3 + 15e-6 + compute
@@ -211,12 +212,19 @@ def test_pair_flops_per_kind() -> None:
     # Qwen3-Next: 3 mamba groups of 12 Gated DeltaNet layers (524,288 state elements), 12 full
     q = step_model_for("h200", "qwen3-next-80b-a3b", tensor_parallel=2)
     assert q.pair_flops == (7 * 524_288 * 12 / 2,) * 3 + (4 * 16 * 256 * 12 / 2,)
+    # attention pairs run at the attention efficiency (FlashAttention-3's measured 0.62 of peak),
+    # mamba updates at the matmuls' mfu (0.5)
+    peak = GPU_PROFILES["h200"].dense_bf16_flops
+    assert m.pair_flops_per_s == (peak * 0.62, peak * 0.62)
+    assert q.pair_flops_per_s == (peak * 0.5,) * 3 + (peak * 0.62,)
+    assert q.flops_per_s == peak * 0.5
 
 
 def test_roofline_rejects_bad_arguments() -> None:
     shape, groups = shipped("llama-3.1-8b")
     g = GPU_PROFILES["h100"]
-    for kwargs in ({"tensor_parallel": 0}, {"tensor_parallel": True}, {"mfu": 0.0}, {"mbu": 1.5}):
+    for kwargs in ({"tensor_parallel": 0}, {"tensor_parallel": True}, {"mfu": 0.0}, {"mbu": 1.5},
+                   {"attention_efficiency": 0.0}, {"attention_efficiency": 1.1}):
         with pytest.raises(ValueError):
             roofline_step_model(g, shape, groups, **kwargs)  # type: ignore[arg-type]
     mamba = GroupSpec(GroupKind.MAMBA, 16, shape=KVShape(2, 1, 8))
