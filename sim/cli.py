@@ -314,7 +314,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"plot: {path}")
     diff = outcome.summary.get("differential")
     if diff is not None:
-        from sim.engine.differential import describe  # noqa: PLC0415
+        from sim.tools.differential import describe  # noqa: PLC0415
 
         print("\n".join(describe(diff)))
         return 1 if diff["divergences"] else 0

@@ -244,7 +244,7 @@ class Engine:
         self.next_tick = 0.0
         self.stop_reason: StopReason | None = None
         #: called with each step's plan right after ``schedule`` (the seam of the
-        #: differential mode, :mod:`sim.engine.differential`); None: nothing watches
+        #: differential mode, :mod:`sim.tools.differential`); None: nothing watches
         self.on_schedule: Callable[[Any], None] | None = None
         self._requests: Iterator[Request] = iter(requests)
         self.next_arrival_s = math.inf

@@ -23,7 +23,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                                         vLLM's scheduler decides: sim.model.real_vllm, docs/vllm.md) |
                                         "differential" (both in lockstep, every step's decisions
                                         compared; the first divergence stops the run:
-                                        sim.engine.differential)
+                                        sim.tools.differential)
     on_crash              ("record")    "record" | "stop"
     [model]               exactly one of name (scenarios/models/<name>.toml),
                           path (relative to this file) or inline groups = [...]

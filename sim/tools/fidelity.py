@@ -2,7 +2,7 @@
 
 What it does
     Runs a scenario on kvsim's engine twice, in memory and in lockstep
-    (:class:`sim.engine.differential.Lockstep`): once with kvsim's own model
+    (:class:`sim.tools.differential.Lockstep`): once with kvsim's own model
     deciding (under the window logic that corresponds to the installed vLLM:
     0.29.0 old, 0.30.0 new, 0.33.0 latest) and once with that vLLM deciding
     (:mod:`sim.engine.vllm_engine`). The lockstep compares every step's
@@ -91,7 +91,7 @@ class FidelityReport:
     #: divergences explained by a listed simplification, by kind
     known: dict[str, int] = field(default_factory=dict)
     status: dict[str, str] = field(default_factory=dict)
-    #: the lockstep's report (:meth:`sim.engine.differential.DifferentialReport.to_dict`)
+    #: the lockstep's report (:meth:`sim.tools.differential.DifferentialReport.to_dict`)
     lockstep: dict[str, Any] | None = None
 
     @property
@@ -134,7 +134,7 @@ def fidelity(path: Path, overrides: Sequence[str | tuple[str, str]] = ()) -> Fid
                          "Python environment", INSTALL_HINT.split(": ", 1)[1]) from None
     logic = SUPPORTED_VERSIONS.get(version, "latest")
     spec = load_run(path, [*overrides, ("fidelity", f"window_logic={logic}"), ("fidelity", "decisions=vllm")])
-    from sim.engine.differential import Lockstep, WatchingRecorder  # noqa: PLC0415 -- imports vLLM
+    from sim.tools.differential import Lockstep, WatchingRecorder  # noqa: PLC0415 -- imports vLLM
 
     model, real = MemorySink(), MemorySink()
     lock = Lockstep(spec.engine_config(), spec.requests, WatchingRecorder(model), WatchingRecorder(real),
@@ -202,7 +202,7 @@ def format_report(rep: FidelityReport) -> str:
     lines = [f"fidelity: {rep.scenario}: kvsim (logic {rep.logic}) vs vLLM {rep.vllm_version}, "
              f"{rep.requests} requests ({ends})"]
     if rep.lockstep is not None:
-        from sim.engine.differential import describe  # noqa: PLC0415
+        from sim.tools.differential import describe  # noqa: PLC0415
 
         lines += describe(rep.lockstep)
         lines.append("per request, over the whole runs:")

@@ -259,7 +259,7 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
         recorder = Recorder(sink)
         differential = None
         if config.decisions == "differential":
-            from sim.engine.differential import WatchingRecorder, simulate_differential  # noqa: PLC0415
+            from sim.tools.differential import WatchingRecorder, simulate_differential  # noqa: PLC0415
 
             recorder = WatchingRecorder(sink)
             first: list[Iterator[Request]] = [requests]   # kvsim's side reads the guarded stream

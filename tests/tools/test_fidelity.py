@@ -11,7 +11,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from sim.engine.differential import (
+from sim.engine.loop import SimulationResult, simulate
+from sim.engine.metrics import MemorySink, Recorder
+from sim.io.check import CheckCase, parse_check, run_check
+from sim.io.scenario import load_run
+from sim.tools.differential import (
     DifferentialReport,
     StepDecisions,
     StepDivergence,
@@ -22,10 +26,6 @@ from sim.engine.differential import (
     simulate_differential,
     write_lookup_case,
 )
-from sim.engine.loop import SimulationResult, simulate
-from sim.engine.metrics import MemorySink, Recorder
-from sim.io.check import CheckCase, parse_check, run_check
-from sim.io.scenario import load_run
 from sim.tools.fidelity import REQUEST_FIELDS, FidelityReport, _compare, _rows, format_report
 from tests.helpers import QUIET_FULL_ATTENTION
 
