@@ -573,12 +573,13 @@ class Scheduler:
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
+            scoped = profile(cfg.window_logic).request_scoped_recency
             if cfg.tiers:
                 self.cpu = TieredCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
-                                       tiers=cfg.tiers)
+                                       tiers=cfg.tiers, request_scoped=scoped)
             else:
                 self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
-                                         request_scoped=profile(cfg.window_logic).request_scoped_recency)
+                                         request_scoped=scoped)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only,
