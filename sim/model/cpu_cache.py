@@ -36,6 +36,13 @@ What it models
     * :class:`ArcPolicy`: adaptive replacement with lists T1/T2, ghost lists
       B1/B2 and a float target ``p`` for T1, including vLLM's single forward
       scan of each list while choosing a batch of victims.
+    * vLLM 0.33 (``request_scoped=True``, the LATEST logic) ranks per request
+      instead of by touches: the cache records each request's first offer
+      and first load of a chunk (:meth:`CpuChunkCache.prepare_store` and
+      :meth:`CpuChunkCache.observe_load` with the request's id and end tokens)
+      and commits them at :meth:`CpuChunkCache.finish_request`;
+      :class:`RankedLruPolicy` and :class:`RequestArcPolicy` take those
+      (table :data:`_REQUEST_SCOPED_TABLE`).
     * :class:`BeladyPolicy` (kvsim's own, not in vLLM): clairvoyant eviction of
       the idle chunk whose next use lies farthest in the future, asked of a
       :class:`NextUse` oracle built from the workload
@@ -73,7 +80,9 @@ Invariants (verified by :meth:`CpuChunkCache.check_invariants`)
     * the O(1) counters of PENDING, READY (= evictable) and LOADING chunks
       agree with a recount, and no ref count is below -1;
     * LRU: the idle list holds exactly the READY keys; Belady: so does its
-      ranking, each with a live heap entry;
+      ranking, each with a live heap entry; ranked LRU (0.33): every present
+      key has a rank and the idle set, each with a live heap entry, is
+      exactly the READY keys;
       ARC: T1 and T2 partition the present keys, the ghost lists hold no
       present key and at most ``capacity`` keys each, and ``0 <= p <= capacity``;
     * the admission tracker holds at most ``tracker_size`` keys.
