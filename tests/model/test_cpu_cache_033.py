@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import copy
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from sim.model.cpu_cache import (
     CpuChunkCache,
     EvictionPolicy,
@@ -179,3 +183,57 @@ def test_old_and_new_caches_ignore_the_request_arguments() -> None:
     c.complete_store([A, B])
     c.finish_request("a")
     assert order(c) == [A, B]
+
+
+# ------------------------------------------------------- stateful: heap vs ranks
+
+KEYS = [k(h, g) for h in range(1, 6) for g in (0, 1)]
+MACHINE_ENDS = {key: 16 * key[0] for key in KEYS}
+
+
+class RankedLruMachine(RuleBasedStateMachine):
+    """Random offers, loads and finishes of a few requests against a 6-slot ranked LRU.
+
+    After every step the victim order (probed by overflowing a copy) must be
+    the idle keys sorted by (rank, key), the naive reading of vLLM 0.33's
+    lazily invalidated heap (a request finished here may offer again: it
+    then starts afresh with a new major)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = cache(6)
+        self.pending: list[OffloadKey] = []
+
+    @rule(req=st.sampled_from("abc"),
+          keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+    def offer(self, req: str, keys: list[OffloadKey]) -> None:
+        plan = self.c.prepare_store(keys, req, MACHINE_ENDS)
+        if plan is not None:
+            self.pending.extend(plan.keys)
+
+    @rule()
+    def complete_stores(self) -> None:
+        self.c.complete_store(self.pending)
+        self.pending = []
+
+    @rule(req=st.sampled_from("abc"), key=st.sampled_from(KEYS))
+    def load_one(self, req: str, key: OffloadKey) -> None:
+        ref = self.c.ref_count(key)
+        if ref is not None and ref >= 0:
+            load(self.c, req, key)
+
+    @rule(req=st.sampled_from("abc"))
+    def finish(self, req: str) -> None:
+        self.c.finish_request(req)
+
+    @invariant()
+    def victims_follow_the_ranks(self) -> None:
+        self.c.check_invariants()
+        pol = self.c._policy
+        assert isinstance(pol, RankedLruPolicy)
+        assert order(self.c) == pol.order()
+
+
+TestRankedLruMachine = RankedLruMachine.TestCase
+TestRankedLruMachine.settings = settings(max_examples=100, stateful_step_count=30,
+                                         derandomize=True, deadline=None)
