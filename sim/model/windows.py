@@ -47,8 +47,10 @@ CPU recency: OLD and NEW touch a request's chunks at each lookup and after
 each store it prepares; LATEST (0.33) does not touch: the CPU manager's
 policy sees a request's first offer or read of each chunk and commits its
 chunks when it finishes (:class:`sim.model.cpu_cache.RankedLruPolicy`,
-:class:`sim.model.cpu_cache.RequestArcPolicy`). Not modelled for LATEST: its per-request
-``max_load_tokens`` cap and the synchronous-load budget (off by default).
+:class:`sim.model.cpu_cache.RequestArcPolicy`); the profile says which
+through ``request_scoped_recency``. Not modelled for LATEST: its
+per-request ``max_load_tokens`` cap and the synchronous-load budget (off
+by default).
 """
 
 
