@@ -588,10 +588,11 @@ def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
     states = {(g, j): st for g, j, st in case.states}
     capacity = case.cpu_capacity_chunks or max(100, len(states) + len(case.promotable()))
     cpu: CpuChunkCache
+    scoped = profile(logic).request_scoped_recency
     if case.tiers:
-        cpu = TieredCache(capacity, tiers=[TierSpec() for _ in range(case.tiers)])
+        cpu = TieredCache(capacity, tiers=[TierSpec() for _ in range(case.tiers)], request_scoped=scoped)
     else:
-        cpu = CpuChunkCache(capacity)
+        cpu = CpuChunkCache(capacity, request_scoped=scoped)
     sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=case.prefix_caching)
     hashes = list(range(1, case.num_tokens // case.tokens_per_hash + 1))
 

@@ -235,6 +235,8 @@ class _ReqState:
     num_hit_chunks: list[int]
     local_tokens: int = 0
     jobs: set[int] = field(default_factory=set)
+    #: end token of each key (filled only for request-scoped CPU recency)
+    ends: dict[OffloadKey, int] = field(default_factory=dict)
     finished: bool = False
     #: every prompt chunk is past ``next_stored`` and only prompt KV is offloaded:
     #: until the request finishes (or is looked up again) no store can be built
@@ -300,6 +302,7 @@ class OffloadingScheduler:
         self._order = profile.lookup_order(layout)
         self._window_groups = profile.window_groups(layout)
         self._mamba_align = layout.mamba_align
+        self._scoped = profile.request_scoped_recency
 
     # -- requests ----------------------------------------------------------------
 
@@ -331,7 +334,11 @@ class OffloadingScheduler:
             hpc = self._hpc[g]
             start = hpc * len(keys) + hpc - 1
             if start < len(hashes):
+                n = len(keys)
                 keys.extend(zip(hashes[start::hpc], repeat(g)))
+                if self._scoped:
+                    tpc = self._tpc[g]
+                    st.ends.update((keys[j], (j + 1) * tpc) for j in range(n, len(keys)))
 
     def keys_of(self, req_id: str, group: int) -> list[OffloadKey]:
         """The request's current key list of ``group`` (refreshed)."""
@@ -516,6 +523,8 @@ class OffloadingScheduler:
 
     def _touch(self, st: _ReqState) -> None:
         """Recency update of the request's chunks (spec §7.4)."""
+        if self._scoped:    # vLLM 0.33: no touches (the CPU cache ranks per request)
+            return
         touch = self.cpu.touch
         for g, keys in enumerate(st.keys):
             w = self._w[g]
@@ -642,6 +651,8 @@ class OffloadingScheduler:
             g, j = draft.chunks[draft.keys.index(exc.key)]
             crash = ModelledCrash(exc.reason, g, j, exc.message, "prepare_load")
             raise ModelledCrashError(crash, draft.attempt(req_id, hazards)) from None
+        if self._scoped and pinned:
+            self.cpu.observe_load(req_id, pinned, self._reqs[req_id].ends)
         if not unsafe:
             return pinned_slots
         by_key = dict(zip(pinned, pinned_slots, strict=True))
@@ -794,7 +805,8 @@ class OffloadingScheduler:
             self._advance(st, tokens)
             self._check_quiet(st)
             return None
-        reservation = self.cpu.prepare_store(offered)
+        reservation = (self.cpu.prepare_store(offered, req_id, st.ends) if self._scoped
+                       else self.cpu.prepare_store(offered))
         if reservation is None:
             self.store_rejections += 1
             return None
@@ -992,6 +1004,13 @@ class OffloadingScheduler:
             if job.is_store:
                 for bid in job.deferred:
                     self.block_fences.setdefault(bid, set()).add(j)
+
+    def finish_recency(self, req_id: str) -> None:
+        """The request's final stores are prepared: the CPU cache commits its
+        uses (request-scoped recency only; vLLM 0.33 does this after the step's
+        store jobs are built)."""
+        if self._scoped:
+            self.cpu.finish_request(req_id)
 
     def drop_if_idle(self, req_id: str) -> None:
         """Forget a finished request once it has no job in flight."""

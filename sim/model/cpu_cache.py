@@ -36,6 +36,13 @@ What it models
     * :class:`ArcPolicy`: adaptive replacement with lists T1/T2, ghost lists
       B1/B2 and a float target ``p`` for T1, including vLLM's single forward
       scan of each list while choosing a batch of victims.
+    * vLLM 0.33 (``request_scoped=True``, the LATEST logic) ranks per request
+      instead of by touches: the cache records each request's first offer
+      and first load of a chunk (:meth:`CpuChunkCache.prepare_store` and
+      :meth:`CpuChunkCache.observe_load` with the request's id and end tokens)
+      and commits them at :meth:`CpuChunkCache.finish_request`;
+      :class:`RankedLruPolicy` and :class:`RequestArcPolicy` take those
+      (table :data:`_REQUEST_SCOPED_TABLE`).
     * :class:`BeladyPolicy` (kvsim's own, not in vLLM): clairvoyant eviction of
       the idle chunk whose next use lies farthest in the future, asked of a
       :class:`NextUse` oracle built from the workload
@@ -73,7 +80,9 @@ Invariants (verified by :meth:`CpuChunkCache.check_invariants`)
     * the O(1) counters of PENDING, READY (= evictable) and LOADING chunks
       agree with a recount, and no ref count is below -1;
     * LRU: the idle list holds exactly the READY keys; Belady: so does its
-      ranking, each with a live heap entry;
+      ranking, each with a live heap entry; ranked LRU (0.33): every present
+      key has a rank and the idle set, each with a live heap entry, is
+      exactly the READY keys;
       ARC: T1 and T2 partition the present keys, the ghost lists hold no
       present key and at most ``capacity`` keys each, and ``0 <= p <= capacity``;
     * the admission tracker holds at most ``tracker_size`` keys.
@@ -334,6 +343,40 @@ class _Policy(Protocol):
         """Describe every disagreement between the policy's state and ``chunks``."""
 
 
+class _RequestScoped(_Policy, Protocol):
+    """What the cache asks in addition of a vLLM 0.33 policy (request-scoped recency)."""
+
+    def insert_for(self, key: OffloadKey, chunk: _Chunk, req_id: str, end_token: int) -> None:
+        """``req_id`` stored ``key``, which ends at token ``end_token`` of the request."""
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """First offers by a request of absent keys, before they are inserted."""
+
+    def observe(self, req_id: str, keys: Sequence[tuple[OffloadKey, int]]) -> None:
+        """First offers or reads by ``req_id`` of ``(key, end token)``."""
+
+    def commit(self, keys: Sequence[OffloadKey], stored_only: Set[OffloadKey],
+               reused: Set[OffloadKey]) -> None:
+        """A request finished having used ``keys`` (head to tail)."""
+
+    def forget_request(self, req_id: str) -> None:
+        """``req_id`` will use nothing more."""
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """What one request has done to the cache so far (request-scoped policies only)."""
+
+    #: keys offered (and storable or READY) or read, with their end token
+    seen: dict[OffloadKey, int]
+    #: keys this request stored
+    stored: set[OffloadKey]
+    #: keys this request read while READY and had not stored itself
+    reused: set[OffloadKey]
+    #: keys whose store miss has been reported to the policy
+    missed: set[OffloadKey]
+
+
 class LruPolicy:
     """Least recently used eviction over the READY chunks.
 
@@ -406,6 +449,166 @@ class LruPolicy:
         if ready != set(self._idle):
             return [f"LRU idle list {sorted(self._idle)} != READY keys {sorted(ready)}"]
         return []
+
+
+class RankedLruPolicy:
+    """vLLM 0.33's LRU: recency as ranks given per request, committed when it finishes.
+
+    Every present chunk (pending and loading ones too) carries a rank
+    ``(major, minor)``; the victim is the idle chunk of lowest rank. One
+    counter hands out majors. A request draws its own major the first time it
+    offers or reads a chunk; a chunk it stores or first observes gets
+    ``(request major, -end token)``, so within a request the tail goes before
+    the head, and an observation only ever raises a chunk's rank. When the
+    request finishes, :meth:`commit` walks its chunks from tail to head giving
+    each a fresh major of its own: the head ends up the most recently used.
+    Between equal ranks (the chunks of one boundary in several groups) the
+    lower group index goes first, as vLLM's heap compares keys whose hash is
+    equal. ``touch`` (fresh majors, last key first) is kept for callers that
+    use it; vLLM 0.33's connector does not.
+    """
+
+    __slots__ = ("_clock", "_heap", "_idle", "_rank", "_request_major")
+
+    def __init__(self, capacity: int) -> None:
+        del capacity
+        #: rank of every present key
+        self._rank: dict[OffloadKey, tuple[int, int]] = {}
+        #: READY keys
+        self._idle: set[OffloadKey] = set()
+        #: (rank, key) of idle keys; an entry whose rank is no longer the key's,
+        #: or whose key is no longer idle, is stale and skipped
+        self._heap: list[tuple[tuple[int, int], OffloadKey]] = []
+        self._clock = 0
+        #: major drawn by each request that has offered or read a chunk
+        self._request_major: dict[str, int] = {}
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _major_of(self, req_id: str) -> int:
+        major = self._request_major.get(req_id)
+        if major is None:
+            major = self._request_major[req_id] = self._tick()
+        return major
+
+    def _set(self, key: OffloadKey, rank: tuple[int, int]) -> None:
+        self._rank[key] = rank
+        if key in self._idle:
+            heapq.heappush(self._heap, (rank, key))
+
+    def order(self) -> list[OffloadKey]:
+        """READY keys from the next victim to the most recently used."""
+        return sorted(self._idle, key=lambda k: (self._rank[k], k))
+
+    def insert(self, key: OffloadKey, chunk: _Chunk) -> None:
+        """A key stored without a known position: a fresh major."""
+        self._rank[key] = (self._tick(), 0)
+
+    def insert_for(self, key: OffloadKey, chunk: _Chunk, req_id: str, end_token: int) -> None:
+        """A key stored by ``req_id``, ending at ``end_token``: the request's provisional rank."""
+        self._rank[key] = (self._major_of(req_id), -end_token)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """Nothing: vLLM touches store misses here, but they are absent, so no rank changes."""
+
+    def observe(self, req_id: str, keys: Sequence[tuple[OffloadKey, int]]) -> None:
+        """First offers or reads by ``req_id`` of ``(key, end token)``: raise each present
+        key to the request's provisional rank (never lower it)."""
+        major = self._major_of(req_id)
+        rank = self._rank
+        for key, end_token in keys:
+            old = rank.get(key)
+            if old is not None and old < (major, -end_token):
+                self._set(key, (major, -end_token))
+
+    def commit(self, keys: Sequence[OffloadKey], stored_only: Set[OffloadKey],
+               reused: Set[OffloadKey]) -> None:
+        """A request finished; ``keys`` are the ones it used, head to tail (how it used them
+        does not matter to LRU)."""
+        self.touch(keys)
+
+    def forget_request(self, req_id: str) -> None:
+        """``req_id`` will offer and read nothing more."""
+        self._request_major.pop(req_id, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget ``key``."""
+        self._rank.pop(key, None)
+        self._idle.discard(key)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """A fresh major for each present key, last key first."""
+        rank = self._rank
+        for key in reversed(keys):
+            if key in rank:
+                self._set(key, (self._tick(), 0))
+
+    def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:
+        """Take the ``n`` lowest-ranked READY keys not in ``protected``, or None if there are fewer."""
+        if n <= 0:
+            return []
+        heap, rank, idle = self._heap, self._rank, self._idle
+        taken: list[tuple[tuple[int, int], OffloadKey]] = []
+        chosen: set[OffloadKey] = set()
+        skipped: list[tuple[tuple[int, int], OffloadKey]] = []
+        while heap and len(taken) < n:
+            entry = heapq.heappop(heap)
+            r, key = entry
+            if key not in idle or rank.get(key) != r or key in chosen:
+                continue
+            if key in protected:
+                skipped.append(entry)
+                continue
+            taken.append(entry)
+            chosen.add(key)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if len(taken) < n:
+            for entry in taken:
+                heapq.heappush(heap, entry)
+            return None
+        for _, key in taken:
+            idle.remove(key)
+            del rank[key]
+        if len(heap) > max(64, 2 * len(idle)):
+            self._rebuild()
+        return [key for _, key in taken]
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._rank[k], k) for k in self._idle]
+        heapq.heapify(self._heap)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key`` became idle; it keeps its rank."""
+        self._idle.add(key)
+        heapq.heappush(self._heap, (self._rank[key], key))
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """``key`` is being loaded: not a victim until its last load completes (rank kept)."""
+        self._idle.remove(key)
+
+    def clear(self) -> None:
+        """Forget every key and every request's major; the counter starts again."""
+        self._rank.clear()
+        self._idle.clear()
+        self._heap.clear()
+        self._request_major.clear()
+        self._clock = 0
+
+    def problems(self, chunks: Mapping[OffloadKey, _Chunk]) -> list[str]:
+        """Ranks cover exactly the present keys; the idle set is exactly the READY keys."""
+        found = []
+        if set(self._rank) != set(chunks):
+            found.append("ranked LRU: ranked keys != present keys")
+        ready = {key for key, chunk in chunks.items() if chunk.ref == 0}
+        if ready != self._idle:
+            found.append(f"ranked LRU idle set {sorted(self._idle)} != READY keys {sorted(ready)}")
+        live = {k for r, k in self._heap if k in self._idle and self._rank[k] == r}
+        if live != self._idle:
+            found.append("ranked LRU: an idle key has no live heap entry")
+        return found
 
 
 class ArcPolicy:
@@ -550,6 +753,59 @@ class ArcPolicy:
         if not 0.0 <= self.p <= self.capacity:
             found.append(f"ARC target p={self.p} outside [0, {self.capacity}]")
         return found
+
+
+class RequestArcPolicy(ArcPolicy):
+    """vLLM 0.33's ARC: the same lists and victim scan, fed per request.
+
+    Nothing is touched while a request runs. A store miss of a ghost adapts
+    ``p`` (once per key and request, before the store re-inserts the key).
+    When the request finishes, its keys are walked from tail to head: a key
+    it only stored moves to the newest end of the list it is in (a store is
+    not a second use); a key it read while ready (a load, or an offer of a
+    READY chunk) goes from ``t1`` to the newest end of ``t2``, or to the
+    newest end of ``t2`` if already there; other keys are left alone.
+    """
+
+    __slots__ = ()
+
+    def insert_for(self, key: OffloadKey, chunk: _Chunk, req_id: str, end_token: int) -> None:
+        """As :meth:`insert`: the storing request does not matter to ARC."""
+        self.insert(key, chunk)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """Adapt ``p`` for each ghost among ``keys``, last key first."""
+        b1, b2 = self.b1, self.b2
+        for key in reversed(keys):
+            if key in b1:
+                self.p = float(min(self.p + max(1, len(b2) / len(b1)), self.capacity))
+                b1.move_to_end(key)
+            elif key in b2:
+                self.p = float(max(self.p - max(1, len(b1) / len(b2)), 0))
+                b2.move_to_end(key)
+
+    def observe(self, req_id: str, keys: Sequence[tuple[OffloadKey, int]]) -> None:
+        """ARC learns nothing while a request runs."""
+
+    def commit(self, keys: Sequence[OffloadKey], stored_only: Set[OffloadKey],
+               reused: Set[OffloadKey]) -> None:
+        """A request finished; ``keys`` are the ones it used, head to tail."""
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in stored_only:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
+                chunk = t1.pop(key, None)
+                if chunk is not None:
+                    t2[key] = chunk
+                elif key in t2:
+                    t2.move_to_end(key)
+
+    def forget_request(self, req_id: str) -> None:
+        """ARC keeps nothing per request."""
 
 
 NEVER: Final = 1 << 62
@@ -697,6 +953,12 @@ _POLICY_TABLE: Final[Mapping[EvictionPolicy, Callable[[int, NextUse | None], _Po
     EvictionPolicy.BELADY: _belady,
 }
 
+#: vLLM 0.33's request-scoped policies (``request_scoped=True``); Belady ignores recency.
+_REQUEST_SCOPED_TABLE: Final[Mapping[EvictionPolicy, Callable[[int], _RequestScoped]]] = {
+    EvictionPolicy.LRU: RankedLruPolicy,
+    EvictionPolicy.ARC: RequestArcPolicy,
+}
+
 _HIT: Final = LookupResult.HIT
 _HIT_PENDING: Final = LookupResult.HIT_PENDING
 _MISS: Final = LookupResult.MISS
@@ -722,6 +984,10 @@ class CpuChunkCache:
         tracker_size: Most keys the admission filter remembers.
         future: The workload's next uses; required by (and only used by) the
             ``belady`` policy.
+        request_scoped: vLLM 0.33's policies (:class:`RankedLruPolicy`,
+            :class:`RequestArcPolicy`): recency comes from the request arguments
+            of :meth:`prepare_store` and :meth:`observe_load` and from
+            :meth:`finish_request`, not from :meth:`touch`.
 
     Raises:
         ValueError: On a negative capacity or threshold, a tracker size below 1,
@@ -735,6 +1001,7 @@ class CpuChunkCache:
         store_threshold: int = 0,
         tracker_size: int = 64_000,
         future: NextUse | None = None,
+        request_scoped: bool = False,
     ) -> None:
         if capacity_chunks < 0:
             raise ValueError(f"capacity_chunks must be >= 0, got {capacity_chunks}")
@@ -744,7 +1011,13 @@ class CpuChunkCache:
             raise ValueError(f"tracker_size must be >= 1, got {tracker_size}")
         self._capacity = capacity_chunks
         self._policy_kind = EvictionPolicy(policy)
-        self._policy: _Policy = _POLICY_TABLE[self._policy_kind](capacity_chunks, future)
+        scoped_kind = _REQUEST_SCOPED_TABLE.get(self._policy_kind) if request_scoped else None
+        #: the policy again, when it is request-scoped (vLLM 0.33)
+        self._scoped: _RequestScoped | None = None if scoped_kind is None else scoped_kind(capacity_chunks)
+        self._policy: _Policy = (self._scoped if self._scoped is not None
+                                 else _POLICY_TABLE[self._policy_kind](capacity_chunks, future))
+        #: per-request accesses (request-scoped policies only), by request id
+        self._accesses: dict[str, _RequestAccess] = {}
         self._store_threshold = store_threshold
         self._tracker_size = tracker_size
         #: Offer counts for admission, least recently offered first; None when off.
@@ -880,7 +1153,8 @@ class CpuChunkCache:
 
     # ----------------------------------------------------------------- stores
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> StoreReservation | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], req_id: str | None = None,
+                      positions: Mapping[OffloadKey, int] | None = None) -> StoreReservation | None:
         """Reserve slots for the absent ones of ``keys`` and insert them as PENDING.
 
         With the admission filter on, every offer is counted first (even when
@@ -890,8 +1164,15 @@ class CpuChunkCache:
         ``keys`` are evicted by the policy; if that is impossible nothing
         changes and None is returned.
 
+        With a request-scoped policy and ``req_id`` given (vLLM 0.33), the offer
+        is recorded first, as the request's first use of each key to be stored
+        or already READY; every key offered is then protected from eviction,
+        and a stored key is ranked by the request.
+
         Args:
             keys: Keys offered for storing, each at most once.
+            req_id: The offering request (used by request-scoped policies only).
+            positions: End token of each key in that request.
 
         Returns:
             The reservation (possibly empty, when nothing needs storing), or None when
@@ -901,6 +1182,7 @@ class CpuChunkCache:
             ValueError: If a key appears twice.
         """
         _require_distinct(keys, "prepare_store")
+        offered = keys
         if self._offers is not None:
             offers = self._offers
             self._count_offers(offers, keys)
@@ -908,6 +1190,11 @@ class CpuChunkCache:
             keys = [key for key in keys if offers.get(key, 0) >= threshold]
         chunks = self._chunks
         to_store = [key for key in keys if key not in chunks]
+        scoped = self._scoped if req_id is not None else None
+        if scoped is not None:
+            assert req_id is not None and positions is not None
+            self._record_offer(scoped, req_id, positions, offered, to_store)
+            keys = offered
         if not to_store:
             return _EMPTY_RESERVATION
 
@@ -932,8 +1219,15 @@ class CpuChunkCache:
         for key, slot_id in zip(to_store, slots, strict=True):
             chunk = _Chunk(slot_id)
             chunks[key] = chunk
-            insert(key, chunk)
+            if scoped is not None:
+                assert req_id is not None and positions is not None
+                scoped.insert_for(key, chunk, req_id, positions[key])
+            else:
+                insert(key, chunk)
             uncertain.discard(key)
+        if scoped is not None:
+            assert req_id is not None
+            self._accesses[req_id].stored.update(to_store)
         self._num_pending += len(to_store)
         return StoreReservation(tuple(to_store), tuple(slots), tuple(evicted))
 
@@ -1056,6 +1350,68 @@ class CpuChunkCache:
 
     # ---------------------------------------------------------------- recency
 
+    def observe_load(self, req_id: str, keys: Sequence[OffloadKey],
+                     positions: Mapping[OffloadKey, int]) -> None:
+        """``req_id`` has just pinned ``keys`` for a load (request-scoped policies only).
+
+        Args:
+            keys: The pinned keys.
+            req_id: The loading request.
+            positions: End token of each key in that request.
+        """
+        scoped = self._scoped
+        if scoped is not None:
+            self._record(scoped, req_id, self._access(req_id), positions, keys, keys)
+
+    def finish_request(self, req_id: str) -> None:
+        """``req_id`` finished and its final stores are prepared: commit its uses
+        to a request-scoped policy, head to tail (by end token, then group);
+        nothing for other policies.
+
+        Args:
+            req_id: The finished request.
+        """
+        access = self._accesses.pop(req_id, None)
+        scoped = self._scoped
+        if scoped is None:
+            return
+        if access is not None:
+            seen = access.seen
+            order = sorted(seen, key=lambda key: (seen[key], key[1]))
+            scoped.commit(order, access.stored - access.reused, access.reused)
+        scoped.forget_request(req_id)
+
+    def _access(self, req_id: str) -> _RequestAccess:
+        access = self._accesses.get(req_id)
+        if access is None:
+            access = self._accesses[req_id] = _RequestAccess({}, set(), set(), set())
+        return access
+
+    def _record_offer(self, scoped: _RequestScoped, req_id: str, positions: Mapping[OffloadKey, int],
+                      offered: Sequence[OffloadKey], to_store: Sequence[OffloadKey]) -> None:
+        """An offer, as vLLM 0.33 records it: store misses first, then the first
+        use of each key to be stored or READY (pending keys are not a use)."""
+        access = self._access(req_id)
+        misses = [key for key in to_store if key not in access.missed]
+        if misses:
+            scoped.on_store_miss(misses)
+            access.missed.update(misses)
+        chunks = self._chunks
+        ready = [key for key in offered if (c := chunks.get(key)) is not None and c.ref >= 0]
+        used = set(to_store).union(ready)
+        self._record(scoped, req_id, access, positions, [key for key in offered if key in used], ready)
+
+    @staticmethod
+    def _record(scoped: _RequestScoped, req_id: str, access: _RequestAccess,
+                positions: Mapping[OffloadKey, int], keys: Sequence[OffloadKey],
+                reused: Sequence[OffloadKey]) -> None:
+        seen = access.seen
+        first = [(key, positions[key]) for key in keys if key not in seen]
+        if first:
+            seen.update(first)
+            scoped.observe(req_id, first)
+        access.reused.update(key for key in reused if key not in access.stored)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Record a use of ``keys`` for the replacement policy (absent keys are ignored).
 
@@ -1083,6 +1439,7 @@ class CpuChunkCache:
         """
         self._chunks.clear()
         self._policy.clear()
+        self._accesses.clear()
         self._num_handed_out = 0
         self._free_list.clear()
         self._num_pending = self._num_ready = self._num_loading = 0

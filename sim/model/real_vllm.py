@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import math
 import os
@@ -236,6 +237,17 @@ def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
     return lo
 
 
+class _InOrder(set):  # type: ignore[type-arg]
+    """A set that iterates in a given order (see :meth:`RealVllmScheduler._order_finishes`)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__(items)
+        self._order = items
+
+    def __iter__(self) -> Any:
+        return iter(self._order)
+
+
 class RealVllmScheduler:
     """vLLM's scheduler and offloading connector behind kvsim's engine.
 
@@ -288,6 +300,7 @@ class RealVllmScheduler:
             self.conn_sched = self.sched.connector.connector_scheduler
             self._watch_lookups()
             self._watch_manager()
+            self._order_finishes()
         self._fctx = v["ForwardContext"](no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._group_bytes = [layout.kv_bytes_per_block(i) or 0 for i in range(len(layout.groups))]
         self._block_pieces = [pieces_per_block(g, cfg.transfer_piece) for g in layout.groups]
@@ -423,6 +436,34 @@ class RealVllmScheduler:
 
         mgr.prepare_store, mgr.prepare_load = prepare_store, prepare_load
         mgr.complete_store, mgr.complete_load = complete_store, complete_load
+
+    def _order_finishes(self) -> None:
+        """Hand vLLM 0.33's connector the requests finished in a step in the order they
+        finished.
+
+        From 0.33 on, the connector commits each finished request's chunks to the CPU
+        manager's policy (fresh recency ranks) while walking the step's
+        ``finished_req_ids``, a ``set`` of strings whose order Python randomises per
+        process: which request's chunks end up older, so which an eviction takes,
+        would change from run to run. The set is replaced by one that iterates in the
+        order ``request_finished`` saw the requests (as kvsim's model commits them),
+        which makes the run deterministic; earlier versions never iterate it there."""
+        cs = self.conn_sched
+        real_finished, real_meta = cs.request_finished, cs.build_connector_meta
+        seen: dict[str, int] = {}
+        tick = itertools.count()
+
+        def request_finished(request: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(request.request_id, next(tick))
+            return real_finished(request, *args, **kwargs)
+
+        def build_connector_meta(out: Any, *args: Any, **kwargs: Any) -> Any:
+            ids = out.finished_req_ids
+            if ids and len(ids) > 1:
+                out.finished_req_ids = _InOrder(sorted(ids, key=lambda r: seen.get(r, -1)))
+            return real_meta(out, *args, **kwargs)
+
+        cs.request_finished, cs.build_connector_meta = request_finished, build_connector_meta
 
     # -- requests ----------------------------------------------------------------------
 

@@ -573,11 +573,13 @@ class Scheduler:
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
+            scoped = profile(cfg.window_logic).request_scoped_recency
             if cfg.tiers:
                 self.cpu = TieredCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
-                                       tiers=cfg.tiers)
+                                       tiers=cfg.tiers, request_scoped=scoped)
             else:
-                self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future)
+                self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
+                                         request_scoped=scoped)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only,
@@ -1001,6 +1003,8 @@ class Scheduler:
                     if plan.flush_now:
                         flush.add(plan.job_id)
                 conn.drop_if_idle(r.req_id)
+        for r in self.finished_pending:     # after every store job of the step, as in vLLM 0.33
+            conn.finish_recency(r.req_id)
         return flush, stores
 
     def _sync_block_ids(self, conn: OffloadingScheduler, sched: list[Scheduled]) -> None:
@@ -1118,6 +1122,7 @@ class Scheduler:
                     f"{r.num_prompt_tokens} prompt tokens: {reason}")
         if self.conn is not None and self.conn.has_request(r.req_id):
             self.conn.request_finished(r.req_id)
+            self.conn.finish_recency(r.req_id)
             self.conn.drop_if_idle(r.req_id)
         self._release(r)
 

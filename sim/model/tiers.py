@@ -176,6 +176,8 @@ class TieredCache(CpuChunkCache):
         capacity_chunks, policy, store_threshold, tracker_size, future: the
             CPU tier's (see :class:`CpuChunkCache`).
         tiers: the secondary tiers, in lookup order (at least one).
+        request_scoped: vLLM 0.33's request-scoped recency for the CPU tier (see
+            :class:`~sim.model.cpu_cache.CpuChunkCache`).
     """
 
     def __init__(
@@ -187,8 +189,10 @@ class TieredCache(CpuChunkCache):
         future: NextUse | None = None,
         *,
         tiers: Sequence[TierSpec],
+        request_scoped: bool = False,
     ) -> None:
-        super().__init__(capacity_chunks, policy, store_threshold, tracker_size, future)
+        super().__init__(capacity_chunks, policy, store_threshold, tracker_size, future,
+                         request_scoped=request_scoped)
         if not tiers:
             raise ValueError("a tiered cache needs at least one secondary tier")
         self.specs: tuple[TierSpec, ...] = tuple(tiers)

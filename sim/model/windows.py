@@ -36,17 +36,21 @@ spec decode, no group annotated  every group is EAGLE    no group is EAGLE      
 store reachability (window)      frontier segments       block mask, store horizon  that mask over W + e
 null block in a stored chunk     last block checked      last block checked         reachable blocks checked
 store index at a lookup          kept                    kept                       restarts at chunk 0
+CPU recency (LRU / ARC)          touch at lookup, store  touch at lookup, store     per request, at finish
 ===============================  ======================  =========================  =========================
 
 The window chunks feed the lookup order (window groups by ``w_g``
 descending), the ordinary window of the search and the assertion
 ``pending <= w_g * bpc + 1`` of the load plan (spec §10 E7).
 
-Not modelled for LATEST: 0.33 moved recency out of the connector (no touch
-at lookup or store; the CPU manager's policy ranks a request's chunks when
-it first reads or offers them and commits the order when it finishes); the
-connector here keeps NEW's touches. Also not modelled: its per-request
-``max_load_tokens`` cap and the synchronous-load budget (off by default).
+CPU recency: OLD and NEW touch a request's chunks at each lookup and after
+each store it prepares; LATEST (0.33) does not touch: the CPU manager's
+policy sees a request's first offer or read of each chunk and commits its
+chunks when it finishes (:class:`sim.model.cpu_cache.RankedLruPolicy`,
+:class:`sim.model.cpu_cache.RequestArcPolicy`); the profile says which
+through ``request_scoped_recency``. Not modelled for LATEST: its
+per-request ``max_load_tokens`` cap and the synchronous-load budget (off
+by default).
 """
 
 
@@ -90,6 +94,9 @@ class WindowProfile:
 
     #: every lookup restarts the request's store index at chunk 0 (LATEST)
     restarts_store_index_on_lookup: ClassVar[bool] = False
+    #: the CPU cache's recency is request-scoped (vLLM 0.33): the connector
+    #: never touches; it reports offers, loads and finishes to the cache
+    request_scoped_recency: ClassVar[bool] = False
 
     # -- group configuration ----------------------------------------------------------
 
@@ -382,14 +389,12 @@ def latest_window_chunks(group: GroupSpec, tpc: int) -> int | None:
 class _Latest(_New):
     """vLLM 0.33.0: NEW plus ``extra_retained_tokens`` in every window size
     (lookup window, load window, store mask), a chunk with a reachable null
-    block is not stored, and the store index restarts at each lookup.
-
-    Not modelled: 0.33 moved recency from the connector's touches into the
-    CPU manager's policy (request-scoped ranks, committed at finish); the
-    connector here still touches as NEW does (see docs/latest.md)."""
+    block is not stored, the store index restarts at each lookup, and CPU
+    recency is request-scoped (no touches; see docs/latest.md)."""
 
     logic = WindowLogic.LATEST
     restarts_store_index_on_lookup = True
+    request_scoped_recency = True
 
     def window_chunks(self, layout: Layout) -> tuple[int | None, ...]:
         return tuple(latest_window_chunks(g, t) for g, t in zip(layout.groups, layout.tokens_per_chunk,

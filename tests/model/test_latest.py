@@ -240,6 +240,30 @@ def store_index(prof: WindowProfile) -> tuple[tuple[int, int], ...]:
     return () if plan is None else plan.chunks
 
 
+def cpu_recency(prof: WindowProfile) -> tuple[int, ...]:
+    # FA bs 4, CPU room for 2 chunks. Request a stores chunks 0, 1; request b
+    # then stores one chunk, evicting one of a's.
+    # NEW: a's store touches its pending chunks (no effect), they turn idle in
+    # store order, so chunk 0 is the oldest and goes.
+    # LATEST (vLLM 0.33): both chunks carry a's provisional rank, the tail
+    # (chunk 1, ending at token 8) below the head, so chunk 1 goes.
+    layout = Layout.of([fa(4)], tokens_per_hash=4)
+    w = world(prof, layout)
+    w.cpu = CpuChunkCache(2, request_scoped=prof.request_scoped_recency)
+    w.sched = type(w.sched)(layout, w.cpu, prof)
+    a, b = make_req(layout, 8, "a", base=1), make_req(layout, 4, "b", base=100)
+    evicted: tuple[int, ...] = ()
+    for req, ids in ((a, [1, 2]), (b, [3])):
+        w.sched.on_new_request(req)
+        assert w.sched.get_num_new_matched_tokens(req, 0).tokens == 0
+        w.sched.update_block_ids(req.req_id, [ids])
+        plan = w.sched.build_store_job(req.req_id, len(ids) * 4)
+        assert plan is not None
+        w.sched.complete_job(plan.job_id)
+        evicted = tuple(w.sched.keys_of("a", 0).index(k) for k in plan.evicted)
+    return evicted
+
+
 @dataclass(frozen=True)
 class LatestRow:
     rule: str  #: exactly as in the windows docstring's table
@@ -267,6 +291,7 @@ LATEST_ROWS = [
     LatestRow("null block in a stored chunk", "store-job", null_block_store,
               (0, 1, 2, 3, 4, 5), (1, 2, 3, 4, 5)),
     LatestRow("store index at a lookup", "evicted-then-recomputed", store_index, (), ((0, 0), (0, 1))),
+    LatestRow("CPU recency (LRU / ARC)", "tail-first", cpu_recency, (0,), (1,)),
 ]
 
 

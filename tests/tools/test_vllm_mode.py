@@ -156,6 +156,24 @@ def test_a_differential_run(vllm_python: tuple[str, Path], tmp_path: Path) -> No
     assert len(pd.read_parquet(out / "requests.parquet")) == summary["requests"]["finished"] == 8
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_differential_run_with_cpu_evictions(vllm_python: tuple[str, Path], tmp_path: Path,
+                                               policy: str) -> None:
+    """The default study cut to 20 sessions with a 1 GiB CPU cache, so that the CPU
+    cache evicts early and often: 0 divergences, evictions included (vLLM 0.33's
+    request-scoped LRU and ARC under LATEST, 0.29/0.30's touch-based ones before)."""
+    _version, python = vllm_python
+    out = tmp_path / "diff"
+    r = _kvsim(python, "run", str(ROOT / "scenarios" / "default.toml"), "--decisions", "differential",
+               "--out", str(out), "-q", "--set", "workload.sessions=20", "--set", 'cpu_cache.capacity="1GiB"',
+               "--set", f'cpu_cache.policy="{policy}"', cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["differential"]["divergences"] == 0, summary["differential"]
+    # far more stored than fits: the CPU cache evicted
+    assert summary["transfers"]["d2h_bytes"] > 4 * 2**30
+
+
 def test_the_mtp_crash_is_a_recorded_outcome(vllm_python: tuple[str, Path], tmp_path: Path,
                                              traces_dir: Path) -> None:
     """The DeepSeek-V4-style MTP compare scenario under real vLLM: 0.29 and 0.30 crash
