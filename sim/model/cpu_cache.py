@@ -623,12 +623,18 @@ class ArcPolicy:
 
     Eviction eligibility is the ref count alone (0 means idle); pending and
     loading chunks keep their list position but are skipped by victim scans.
+
+    ``t1_last_resort``: when neither the ``t1`` turn nor ``t2`` yields a
+    victim, take one from ``t1`` (vLLM 0.30 on); vLLM 0.29 refuses the
+    eviction instead (the store is then rejected). The window profile says
+    which (``arc_t1_last_resort``).
     """
 
-    __slots__ = ("b1", "b2", "capacity", "p", "t1", "t2")
+    __slots__ = ("b1", "b2", "capacity", "p", "t1", "t1_last_resort", "t2")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, t1_last_resort: bool = True) -> None:
         self.capacity = capacity
+        self.t1_last_resort = t1_last_resort
         #: Adaptive target for ``len(t1)``; compared through ``int(p)``.
         self.p = 0.0
         self.t1: OrderedDict[OffloadKey, _Chunk] = OrderedDict()
@@ -674,7 +680,8 @@ class ArcPolicy:
 
         For each victim: if the size ``t1`` would have after the victims chosen
         so far from it is at least ``int(p)``, try ``t1``; otherwise, or if that
-        fails, try ``t2``; then ``t1`` as a last resort. Each list is read by a
+        fails, try ``t2``; then ``t1`` as a last resort (unless
+        ``t1_last_resort`` is off: then None). Each list is read by a
         single forward cursor over the whole call, so a list that once came up
         empty is never rescanned. Victims become ghosts; each ghost list is
         then cut back to ``capacity`` keys, oldest first.
@@ -687,21 +694,12 @@ class ArcPolicy:
         target = int(self.p)
         chosen: list[tuple[OffloadKey, bool]] = []  # (key, taken from t1)
         for _ in range(n):
-            key: OffloadKey | None = None
-            from_t1 = False
-            if t1_size >= target:
-                key = _next_idle(t1_cursor, protected)
-                from_t1 = key is not None
-            if key is None:
-                key = _next_idle(t2_cursor, protected)
-            if key is None:
-                key = _next_idle(t1_cursor, protected)
-                if key is None:
-                    return None
-                from_t1 = True
-            if from_t1:
+            pick = self._choose(t1_size >= target, t1_cursor, t2_cursor, protected)
+            if pick is None:
+                return None
+            if pick[1]:
                 t1_size -= 1
-            chosen.append((key, from_t1))
+            chosen.append(pick)
 
         victims: list[OffloadKey] = []
         for key, from_t1 in chosen:
@@ -716,6 +714,22 @@ class ArcPolicy:
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
         return victims
+
+    def _choose(self, t1_turn: bool, t1_cursor: Iterator[tuple[OffloadKey, _Chunk]],
+                t2_cursor: Iterator[tuple[OffloadKey, _Chunk]], protected: Set[OffloadKey]
+                ) -> tuple[OffloadKey, bool] | None:
+        """One victim of :meth:`evict` and whether it comes from ``t1``; None if none."""
+        if t1_turn:
+            key = _next_idle(t1_cursor, protected)
+            if key is not None:
+                return key, True
+        key = _next_idle(t2_cursor, protected)
+        if key is not None:
+            return key, False
+        if not self.t1_last_resort:
+            return None
+        key = _next_idle(t1_cursor, protected)
+        return None if key is None else (key, True)
 
     def mark_evictable(self, key: OffloadKey) -> None:
         """ARC keeps list positions when a chunk becomes idle."""
@@ -947,10 +961,11 @@ def _belady(capacity: int, future: NextUse | None) -> _Policy:
 
 
 #: The one place a policy name is turned into a policy (capacity, oracle -> policy).
-_POLICY_TABLE: Final[Mapping[EvictionPolicy, Callable[[int, NextUse | None], _Policy]]] = {
-    EvictionPolicy.LRU: lambda capacity, future: LruPolicy(capacity),
-    EvictionPolicy.ARC: lambda capacity, future: ArcPolicy(capacity),
-    EvictionPolicy.BELADY: _belady,
+#: (capacity, oracle, ARC's t1 last resort -> policy)
+_POLICY_TABLE: Final[Mapping[EvictionPolicy, Callable[[int, NextUse | None, bool], _Policy]]] = {
+    EvictionPolicy.LRU: lambda capacity, future, t1_last_resort: LruPolicy(capacity),
+    EvictionPolicy.ARC: lambda capacity, future, t1_last_resort: ArcPolicy(capacity, t1_last_resort),
+    EvictionPolicy.BELADY: lambda capacity, future, t1_last_resort: _belady(capacity, future),
 }
 
 #: vLLM 0.33's request-scoped policies (``request_scoped=True``); Belady ignores recency.
@@ -988,6 +1003,8 @@ class CpuChunkCache:
             :class:`RequestArcPolicy`): recency comes from the request arguments
             of :meth:`prepare_store` and :meth:`observe_load` and from
             :meth:`finish_request`, not from :meth:`touch`.
+        arc_t1_last_resort: ARC's last-resort victim from ``t1`` (vLLM 0.30 on;
+            False: vLLM 0.29, see :class:`ArcPolicy`).
 
     Raises:
         ValueError: On a negative capacity or threshold, a tracker size below 1,
@@ -1002,6 +1019,7 @@ class CpuChunkCache:
         tracker_size: int = 64_000,
         future: NextUse | None = None,
         request_scoped: bool = False,
+        arc_t1_last_resort: bool = True,
     ) -> None:
         if capacity_chunks < 0:
             raise ValueError(f"capacity_chunks must be >= 0, got {capacity_chunks}")
@@ -1015,7 +1033,8 @@ class CpuChunkCache:
         #: the policy again, when it is request-scoped (vLLM 0.33)
         self._scoped: _RequestScoped | None = None if scoped_kind is None else scoped_kind(capacity_chunks)
         self._policy: _Policy = (self._scoped if self._scoped is not None
-                                 else _POLICY_TABLE[self._policy_kind](capacity_chunks, future))
+                                 else _POLICY_TABLE[self._policy_kind](capacity_chunks, future,
+                                                               arc_t1_last_resort))
         #: per-request accesses (request-scoped policies only), by request id
         self._accesses: dict[str, _RequestAccess] = {}
         self._store_threshold = store_threshold

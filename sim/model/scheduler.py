@@ -573,13 +573,14 @@ class Scheduler:
         self.cpu: CpuChunkCache | None = None
         self.conn: OffloadingScheduler | None = None
         if cfg.offloading:
-            scoped = profile(cfg.window_logic).request_scoped_recency
+            prof = profile(cfg.window_logic)
+            scoped, last_resort = prof.request_scoped_recency, prof.arc_t1_last_resort
             if cfg.tiers:
                 self.cpu = TieredCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
-                                       tiers=cfg.tiers, request_scoped=scoped)
+                                       tiers=cfg.tiers, request_scoped=scoped, arc_t1_last_resort=last_resort)
             else:
                 self.cpu = CpuChunkCache(cfg.cpu_capacity_chunks, cfg.eviction, future=self.future,
-                                         request_scoped=scoped)
+                                         request_scoped=scoped, arc_t1_last_resort=last_resort)
             self.conn = OffloadingScheduler(layout, self.cpu, profile(cfg.window_logic),
                                             prefix_caching=cfg.prefix_caching,
                                             offload_prompt_only=cfg.offload_prompt_only,

@@ -178,6 +178,8 @@ class TieredCache(CpuChunkCache):
         tiers: the secondary tiers, in lookup order (at least one).
         request_scoped: vLLM 0.33's request-scoped recency for the CPU tier (see
             :class:`~sim.model.cpu_cache.CpuChunkCache`).
+        arc_t1_last_resort: ARC's last-resort victim from T1 for the CPU tier (see
+            :class:`~sim.model.cpu_cache.ArcPolicy`).
     """
 
     def __init__(
@@ -190,9 +192,10 @@ class TieredCache(CpuChunkCache):
         *,
         tiers: Sequence[TierSpec],
         request_scoped: bool = False,
+        arc_t1_last_resort: bool = True,
     ) -> None:
         super().__init__(capacity_chunks, policy, store_threshold, tracker_size, future,
-                         request_scoped=request_scoped)
+                         request_scoped=request_scoped, arc_t1_last_resort=arc_t1_last_resort)
         if not tiers:
             raise ValueError("a tiered cache needs at least one secondary tier")
         self.specs: tuple[TierSpec, ...] = tuple(tiers)

@@ -37,6 +37,7 @@ store reachability (window)      frontier segments       block mask, store horiz
 null block in a stored chunk     last block checked      last block checked         reachable blocks checked
 store index at a lookup          kept                    kept                       restarts at chunk 0
 CPU recency (LRU / ARC)          touch at lookup, store  touch at lookup, store     per request, at finish
+ARC, T1 and T2 both declined    eviction refused        last victim from T1        last victim from T1
 ===============================  ======================  =========================  =========================
 
 The window chunks feed the lookup order (window groups by ``w_g``
@@ -51,6 +52,10 @@ chunks when it finishes (:class:`sim.model.cpu_cache.RankedLruPolicy`,
 through ``request_scoped_recency``. Not modelled for LATEST: its
 per-request ``max_load_tokens`` cap and the synchronous-load budget (off
 by default).
+
+CPU eviction under ARC: when neither T1's turn nor T2 yields a victim, 0.30
+and 0.33 take one from T1 as a last resort; 0.29 refuses the eviction (and
+so the store): ``arc_t1_last_resort``.
 """
 
 
@@ -97,6 +102,9 @@ class WindowProfile:
     #: the CPU cache's recency is request-scoped (vLLM 0.33): the connector
     #: never touches; it reports offers, loads and finishes to the cache
     request_scoped_recency: ClassVar[bool] = False
+    #: ARC takes a last-resort victim from T1 when T2 has none (0.30 on; 0.29
+    #: refuses the eviction)
+    arc_t1_last_resort: ClassVar[bool] = True
 
     # -- group configuration ----------------------------------------------------------
 
@@ -192,6 +200,7 @@ class _Old(WindowProfile):
     widens_full_attention_eagle = False
     unannotated_eagle_means_all = True
     caps_storable_by_keys = False
+    arc_t1_last_resort = False
 
     def window_scan(
         self, lookup: Lookup, keys: Sequence[OffloadKey], need: int, initial: int | None

@@ -40,6 +40,7 @@ from sim.model.cpu_cache import (
     StoreReservation,
     capacity_from_bytes,
 )
+from sim.model.windows import profile
 
 HIT, HIT_PENDING, MISS, RETRY = (
     LookupResult.HIT,
@@ -640,6 +641,24 @@ def test_arc_falls_back_to_t1_when_t2_has_no_idle_chunk() -> None:
     cache.prepare_load([C])  # T2's only chunk is pinned
     # len(T1) = 2 < 3, T2 has no idle chunk: vLLM 0.30 falls back to T1.
     assert cache.prepare_store([E]) == StoreReservation((E,), (1,), (B,))
+
+
+def test_arc_of_vllm_0_29_refuses_instead_of_falling_back_to_t1() -> None:
+    """vLLM 0.29's ARC (the OLD profile, ``arc_t1_last_resort = False``) has no
+    last resort: with T1 below its target and T2's only chunk pinned, the
+    eviction is refused, so the store is (the same set-up as the test above)."""
+    assert profile("old").arc_t1_last_resort is False
+    assert profile("new").arc_t1_last_resort and profile("latest").arc_t1_last_resort
+    cache = CpuChunkCache(3, EvictionPolicy.ARC, arc_t1_last_resort=False)
+    stored(cache, A, B, C)
+    stored(cache, D)  # evicts A (T1 is at its target 0)
+    for _ in range(3):
+        cache.touch([A])
+    cache.touch([C])
+    cache.prepare_load([C])
+    assert cache.prepare_store([E]) is None
+    assert arc_lists(cache)[:2] == ([B, D], [C])   # nothing moved
+    cache.check_invariants()
 
 
 def test_arc_t1_size_counts_pinned_chunks() -> None:

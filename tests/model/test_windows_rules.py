@@ -23,7 +23,7 @@ import pytest
 
 from sim.model import windows
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
-from sim.model.cpu_cache import CpuChunkCache, LookupResult
+from sim.model.cpu_cache import CpuChunkCache, EvictionPolicy, LookupResult
 from sim.model.gpu_cache import Block
 from sim.model.layout import Layout
 from sim.model.windows import NEW, OLD, WindowProfile
@@ -324,6 +324,23 @@ class Row:
     old_xfail: str | None = None
 
 
+def arc_last_resort(prof: WindowProfile) -> object:
+    """ARC with T1 below its target and T2's only chunk pinned: what a store's
+    eviction takes (the CPU cache built as the scheduler builds it for ``prof``)."""
+    a, b, c, d, e = ((h, 0) for h in range(1, 6))
+    cache = CpuChunkCache(3, EvictionPolicy.ARC, arc_t1_last_resort=prof.arc_t1_last_resort)
+    for keys in ((a, b, c), (d,)):            # d's store evicts a from T1 (target 0)
+        res = cache.prepare_store(list(keys))
+        assert res is not None
+        cache.complete_store(list(res.keys))
+    for _ in range(3):
+        cache.touch([a])                      # ghost hits: T1's target is 3
+    cache.touch([c])                          # c to T2
+    cache.prepare_load([c])                   # T2's only chunk pinned
+    res = cache.prepare_store([e])
+    return None if res is None else res.evicted
+
+
 ROWS = [
     Row("window search, first run", "profile", first_run_profile, (None, 5), (3, 2)),
     Row("window search, first run", "e3-fa-sets-boundary", first_run_e3,
@@ -351,6 +368,7 @@ ROWS = [
     Row("store reachability (window)", "chunked-prefill", reach_chunked_prefill,
         [240, 241, 242, 246, 247, 248, 249, 250, 251, 293, 294, 295, 296, 297, 298, 299],
         [240, 241, 242, 248, 249, 250, 251, 293, 294, 295, 296, 297, 298, 299]),
+    Row("ARC, T1 and T2 both declined", "t2-pinned", arc_last_resort, None, ((2, 0),)),
 ]
 
 
@@ -398,7 +416,7 @@ def docstring_rules() -> list[str]:
 def test_every_rule_of_the_docstring_has_a_row() -> None:
     assert all(len(cells) == 4 for cells in docstring_table())
     rules = docstring_rules()
-    assert len(rules) == 10, rules
+    assert len(rules) == 11, rules
     assert sorted(set(rules)) == sorted({row.rule for row in ROWS})
 
 
