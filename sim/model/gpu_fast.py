@@ -576,15 +576,8 @@ class GpuFastCache:
         return (spec.skipped_tokens(num_tokens) // bs, end)
 
     def hit_first(self, g: int, num_tokens: int) -> int:
-        """The first block a prefix-cache hit of ``num_tokens`` needs in group ``g``: the
-        retained range's, except that a sliding window's hit needs its window alone,
-        without ``extra_retained_tokens`` (vLLM's ``_contiguous_blocks_for_hit``,
-        ``cdiv(W - 1, block size)`` blocks, 0.29 to 0.33)."""
-        spec = self.layout.groups[g]
-        if spec.kind is GroupKind.SLIDING_WINDOW and spec.extra_retained_tokens:
-            assert spec.window is not None
-            return max(0, num_tokens - spec.window + 1) // self._bs[g]
-        return self.retained_range(g, num_tokens)[0]
+        """:meth:`~sim.model.layout.Layout.hit_first_block` of this cache's layout."""
+        return self.layout.hit_first_block(g, num_tokens)
 
     def next_skip(self, g: int, skipped: int) -> int:
         """Smallest computed-token count at which group ``g`` drops more than

@@ -315,6 +315,21 @@ class Layout:
             out.append(None if need >= per_segment else (per_segment, need, int(g.eagle)))
         return tuple(out)
 
+    def hit_first_block(self, group: int, num_tokens: int) -> int:
+        """The first block a GPU prefix-cache hit of ``num_tokens`` needs in
+        ``group``: the first block the group retains at ``num_tokens``, except
+        that a sliding window's hit needs its window alone, without
+        ``extra_retained_tokens`` (vLLM's ``_contiguous_blocks_for_hit``,
+        ``cdiv(W - 1, block size)`` blocks, 0.29 to 0.33)."""
+        spec = self.groups[group]
+        bs = spec.tokens_per_block
+        if spec.kind is GroupKind.SLIDING_WINDOW and spec.extra_retained_tokens:
+            assert spec.window is not None
+            return max(0, num_tokens - spec.window + 1) // bs
+        if spec.kind is GroupKind.MAMBA:
+            return max(0, (num_tokens - 1) // bs)
+        return spec.skipped_tokens(num_tokens) // bs
+
     def num_keys(self, group: int, num_tokens: int) -> int:
         """Number of complete chunks (keys) of ``group`` for a sequence of ``num_tokens``."""
         return num_tokens // self.tokens_per_chunk[group]
