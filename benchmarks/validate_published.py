@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sim.tools.validation import TOLERANCE, ValidationFile, load_cases, replay, throughput, ttft_pair
+from sim.tools.validation import TOLERANCE, ValidationFile, load_cases, replay, throughput_and_hits, ttft_pair
 
 CASES = Path(__file__).resolve().parent / "validation" / "published.toml"
 
@@ -99,13 +99,13 @@ def curves(vf: ValidationFile, base: Path, requests: int | None, mfu: float | No
         if thr is not None and src.hit_rate_grid:
             print(f"\n# {key}: kvsim throughput over the measured CPU hit rates ({thr.model}, {thr.gpu}, "
                   f"{requests or thr.requests:,} x {thr.prompt_tokens:,} tokens)")
-            print("| CPU hit rate | tokens/s | gain over 0 % |")
-            print("| ---: | ---: | ---: |")
+            print("| CPU hit rate (planned) | hits achieved | tokens/s | gain over 0 % |")
+            print("| ---: | ---: | ---: | ---: |")
             base_rate = None
             for h in src.hit_rate_grid:
-                rate = throughput(thr, base, h, requests, mfu)
+                rate, hit, wanted = throughput_and_hits(thr, base, h, requests, mfu)
                 base_rate = base_rate or rate
-                print(f"| {h:.0%} | {rate:,.0f} | {rate / base_rate:.2f}x |")
+                print(f"| {h:.0%} | {hit:,} of {wanted:,} | {rate:,.0f} | {rate / base_rate:.2f}x |")
 
 
 if __name__ == "__main__":

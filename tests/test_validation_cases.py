@@ -14,7 +14,7 @@ import pytest
 from sim.errors import InputError
 from sim.io.scenario import scenarios_dir
 from sim.model.costs import GPU_PROFILES
-from sim.tools.validation import TOLERANCE, load_cases, replay, ttft_pair
+from sim.tools.validation import TOLERANCE, load_cases, replay, throughput, throughput_and_hits, ttft_pair
 
 CASES = Path(__file__).resolve().parents[1] / "benchmarks" / "validation" / "published.toml"
 
@@ -61,3 +61,18 @@ def test_vllm_blog_throughput_gain_at_full_hits_is_within_25_percent() -> None:
     # is a ratio of steady rates, so the batch size barely moves it)
     r = replay(case("vllm-blog-throughput-100"), CASES.parent, requests=1000)
     assert abs(r.kvsim / 9.0 - 1) <= TOLERANCE, r.kvsim
+
+
+def test_a_planned_hit_that_found_nothing_is_counted_and_refused_by_the_strict_figure() -> None:
+    # 30 % hits on 2,000 requests: more hits (600) than warmed prompts, so prompts cycle and the
+    # batch's own stores can evict one before its second hit; the curve reports how many hit,
+    # the validated figure refuses a batch whose hits are not all there
+    c = case("vllm-blog-throughput-100")
+    base = CASES.parent
+    rate, hit, wanted = throughput_and_hits(c, base, 0.3, 2000)
+    assert wanted == 600 and 0 < hit <= wanted and rate > 0
+    if hit == wanted:
+        assert throughput(c, base, 0.3, 2000) == rate
+    else:
+        with pytest.raises(RuntimeError, match=f"{hit} CPU hits in the batch, {wanted} planned"):
+            throughput(c, base, 0.3, 2000)

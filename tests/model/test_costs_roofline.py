@@ -220,6 +220,26 @@ def test_pair_flops_per_kind() -> None:
     assert q.flops_per_s == peak * 0.5
 
 
+def test_attention_efficiency_is_the_gpus_measurement_where_one_exists() -> None:
+    # the H20's FlashAttention-3 measurement (0.85 of its 148 TFLOPS) replaces the H100's 0.62;
+    # an explicit figure still wins, and the matmuls keep mfu
+    shape, groups = shipped("llama-3.1-8b")
+    h20 = GPU_PROFILES["h20"]
+    assert h20.attention_efficiency == 0.85
+    assert GPU_PROFILES["h100"].attention_efficiency is None
+    m = roofline_step_model(h20, shape, groups)
+    assert m.pair_flops_per_s == (148e12 * 0.85,)
+    assert m.flops_per_s == 148e12 * 0.5
+    forced = roofline_step_model(h20, shape, groups, attention_efficiency=0.62)
+    assert forced.pair_flops_per_s == (148e12 * 0.62,)
+    # a long prefill is attention-bound: the measured rate makes it faster than the default would
+    load = StepLoad(prefill_tokens=8192, decode_seqs=0, requests=1, kv_read_bytes=0,
+                    pairs=(attention_pairs(GroupKind.FULL, 0, 57344, 8192),))
+    assert m.time(load) < forced.time(load)
+    with pytest.raises(ValueError, match="attention_efficiency"):
+        dataclasses.replace(h20, attention_efficiency=1.5)
+
+
 def test_roofline_rejects_bad_arguments() -> None:
     shape, groups = shipped("llama-3.1-8b")
     g = GPU_PROFILES["h100"]
