@@ -11,9 +11,10 @@ the imports (no interpreter start-up), best of ``--repeat`` runs:
 (a) the full ``sim.cli.main(['check', '--json', FILE])`` path, stdout sent to
     a null stream (read, parse and validate, decide, JSON out), the same with
     the garbage collector off (a what-if: the batch's surviving objects
-    trigger full collections of the whole heap), and its parts: ``json.loads``,
-    ``prepare_check`` (validation and the kernel's table; pydantic's share
-    of it), ``evaluate`` (the decision half), ``json.dumps``;
+    trigger full collections of the whole heap), and its parts: ``json_loads``
+    (orjson; the standard library's ``json.loads`` beside it), ``prepare_check``
+    (validation and the kernel's table; pydantic's share of it), ``evaluate``
+    (the decision half), ``json_dumps`` (orjson; ``json.dumps`` beside it);
 (b) the kernel alone (``sim.model.decision.decide`` on the scenarios' cases,
     layouts cached);
 (c) the reference path (``sim.io.check.reference_check``: real CPU chunk
@@ -46,6 +47,8 @@ from sim.io.check import (
     CheckCase,
     CheckScenario,
     evaluate,
+    json_dumps,
+    json_loads,
     load_check_file,
     parse_check,
     prepare_check,
@@ -155,14 +158,16 @@ def main() -> None:
             line("  the same, garbage collector off (what-if)", decisions, best_of(args.repeat, cli))
         finally:
             gc.enable()
-        line("  json.loads (the file)", decisions, best_of(args.repeat, lambda: json.loads(text)))
+        line("  json_loads (the file; orjson)", decisions, best_of(args.repeat, lambda: json_loads(text)))
+        line("    json.loads (stdlib)", decisions, best_of(args.repeat, lambda: json.loads(text)))
         line("  prepare_check (validation, and the kernel's table)", decisions,
              best_of(args.repeat, lambda: [prepare_check(d, "bench") for d in items]))
         line("    of which CheckScenario.model_validate", decisions,
              best_of(args.repeat, lambda: [CheckScenario.model_validate(d) for d in items]))
         line("  evaluate (the decisions, from the prepared tables)", decisions,
              best_of(args.repeat, lambda: [evaluate(sc, "bench", table) for sc, table in prepared]))
-        line("  json.dumps (the output)", decisions, best_of(args.repeat, lambda: json.dumps(outs)))
+        line("  json_dumps (the output; orjson)", decisions, best_of(args.repeat, lambda: json_dumps(outs)))
+        line("    json.dumps (stdlib)", decisions, best_of(args.repeat, lambda: json.dumps(outs)))
 
     print("(b) the kernel alone:")
     layouts = [decision_layout(c.groups, c.tokens_per_hash, c.blocks_per_chunk) for c in cases]

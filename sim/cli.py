@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import sim.startup  # noqa: F401 -- first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
-from sim.io.check import evaluate, load_check_file, prepare_check, scenario_outcomes, summarize
+from sim.io.check import evaluate, json_dumps, load_check_file, prepare_check, scenario_outcomes, summarize
 from sim.io.results import (
     RunWriter,
     find_unreadable,
@@ -111,9 +111,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             _print_outcomes(sc, source, outcomes, mismatches)
     if args.jsonl:
         for r in results:
-            print(json.dumps(r))
+            print(json_dumps(r))
     elif args.json:
-        print(json.dumps(results if batch else results[0], indent=None if batch else 2))
+        print(json_dumps(results) if batch else json.dumps(results[0], indent=2))
     return 1 if failed else 0
 
 
