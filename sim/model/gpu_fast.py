@@ -45,7 +45,12 @@ Why the decisions are the same
     The hit rules, retention ranges, thresholds and allocation phases are the
     reference's code, unchanged but for the lookup (``hash in dict``), the id
     lists and closed forms of ``retained_range(g, n)[0]`` / ``next_skip``
-    evaluated inline. ``tests/model/test_gpu_fast.py`` runs both side by side
+    evaluated inline. The scheduler asks :meth:`GpuFastCache.quiet_thresholds`
+    (not the reference's ``thresholds``, kept here too) when a request's next
+    allocation, free or commit is due: it is tighter (it knows that commits
+    wait for the groups' common block size) and only ever skips calls that
+    change nothing, so no decision moves (tests/model/test_gpu_running.py).
+    ``tests/model/test_gpu_fast.py`` runs both side by side
     and compares results, counters, the whole free queue, every block's ref
     count and hash and the prefix-cache map after every call.
 
@@ -526,6 +531,12 @@ class GpuFastCache:
         self._skip_rules = tuple(self._skip_rule(g) for g in range(ngroups)
                                  if layout.groups[g].kind is not GroupKind.FULL)
         self._no_new: tuple[tuple[int, ...], ...] = tuple(() for _ in range(ngroups))
+        #: per group: (block size, EAGLE rounding, the layout's ``gpu_cache_align``
+        #: (1: none)) of its commit bound: see :meth:`quiet_thresholds`
+        align = layout.gpu_cache_align
+        self._commit_rules = tuple(
+            (self._bs[g], align is not None and layout.groups[g].eagle, align or 1)
+            for g in range(ngroups))
 
     def _skip_rule(self, g: int) -> tuple[int, int, int, int]:
         """``retained_range(g, n)[0]`` as (rule, p): 0: ``max(0, n - p) // bs``
@@ -859,6 +870,47 @@ class GpuFastCache:
         if self.pool.enable_caching:
             for blocks, d, bs in zip(t.lists, t.done, self._bs, strict=True):
                 slots = min(slots, len(blocks) * bs + 1, (d + 1) * bs)
+        else:
+            for blocks, bs in zip(t.lists, self._bs, strict=True):
+                slots = min(slots, len(blocks) * bs + 1)
+        skipped = t.skipped
+        for g, rule, p, b in self._skip_rules:
+            k = skipped[g] + 1
+            if rule == 0:
+                x = k * b + p
+            elif rule == 1:
+                x = -(-(k * b) // p) * p
+            else:
+                x = k * b + 1
+            comp = min(comp, x)
+        return slots, comp
+
+    def quiet_thresholds(self, req_id: str) -> tuple[int, int]:
+        """:meth:`thresholds` as tight as the commit rounding allows: the same
+        ``(slots, computed)`` meaning, but a group's commit bound is the first
+        token count whose :meth:`~sim.model.layout.Layout.cacheable_tokens`
+        reaches its next block, not the next block's end itself.
+
+        With more than one group vLLM hashes only up to the groups' least
+        common block size ``A`` (``gpu_cache_align``), so between two multiples
+        of ``A`` a decode step's :meth:`commit` moves nothing: with the plain
+        bound a request whose small-block group committed up to a multiple of
+        ``A`` would be "due" at every step until the next one. Here, with
+        ``X = (done + 1) * bs``: the first multiple of ``A`` at or above ``X``
+        (``X`` itself with no alignment: ``A = 1``); an EAGLE group (cacheable ``min(t, aligned(t) +
+        bs)``, 0 below ``A``), ``max(X, A, ceil((X - bs) / A) * A)``. Each is the
+        smallest ``t`` with ``cacheable_tokens(g, t) >= X``, so below it
+        :meth:`commit` changes nothing (tests/model/test_gpu_running.py); the
+        slot bound (a new block) and the computed bound (a window frees) are
+        :meth:`thresholds`' own. Skipping calls that change nothing changes no
+        decision."""
+        t = self._tables[req_id]
+        slots = comp = 1 << 62
+        if self.pool.enable_caching:
+            for blocks, d, (bs, eagle, a) in zip(t.lists, t.done, self._commit_rules, strict=True):
+                x = (d + 1) * bs
+                x = max(x, -(-(x - bs) // a) * a, a) if eagle else -(-x // a) * a
+                slots = min(slots, len(blocks) * bs + 1, x)
         else:
             for blocks, bs in zip(t.lists, self._bs, strict=True):
                 slots = min(slots, len(blocks) * bs + 1)

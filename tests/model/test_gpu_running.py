@@ -211,3 +211,46 @@ def test_a_hash_stays_cached_while_another_block_carries_it() -> None:
         hit, lists = gpu.find_hit(hashes, 32)
         assert hit == 32 and [b if isinstance(b, int) else b.block_id for b in lists[0]] == [3, 4], cls
         assert gpu.pool.num_cached == 2, cls
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts(), st.integers(1, 300), st.lists(st.integers(1, 40), min_size=1, max_size=40),
+       st.booleans(), st.booleans(), st.data())
+def test_quiet_thresholds_are_tight_and_safe(layout: Layout, prompt: int, steps: list[int],
+                                             caching: bool, eagle: bool, data: st.DataObject) -> None:
+    """Property: the fast cache's :meth:`GpuFastCache.quiet_thresholds` are never
+    below :meth:`GpuFastCache.thresholds`, and while the slot count stays below
+    ``[0]`` and the computed count below ``[1]``, ``allocate_more`` + ``commit``
+    (with the hashes known so far, and only with prefix caching on, as the
+    scheduler calls them) change nothing,
+    not even the request's commit and skip marks; decode runs (1 token a step)
+    and EAGLE window groups included."""
+    if eagle:
+        groups = [GroupSpec(g.kind, g.tokens_per_block, window=g.window, eagle=True)
+                  if g.kind is GroupKind.SLIDING_WINDOW else g for g in layout.groups]
+        layout = Layout.of(groups, tokens_per_hash=8, blocks_per_chunk=1)
+    if data.draw(st.booleans()):
+        steps = steps[:3] + [1] * 300
+    gpu = GpuFastCache(layout, 10_000, enable_caching=caching)
+    hashes = _hashes(2000)
+    empty = tuple([] for _ in layout.groups)
+    assert gpu.allocate_new("r", empty, 0, 0, prompt) is not None
+    if caching:   # the scheduler commits only with prefix caching on
+        gpu.commit("r", hashes[: prompt // 8], prompt)
+    nc = prompt
+    for step in steps:
+        slots_thr, comp_thr = gpu.quiet_thresholds("r")
+        plain = gpu.thresholds("r")
+        assert slots_thr >= plain[0] and comp_thr >= plain[1]
+        t = gpu._tables["r"]
+        before = (gpu.block_ids("r"), gpu.pool.num_free, gpu.pool.num_cached, list(t.done), list(t.skipped))
+        ids = gpu.allocate_more("r", nc, nc + step)
+        assert ids is not None
+        if caching:
+            gpu.commit("r", hashes[: (nc + step) // 8], nc + step)
+        after = (gpu.block_ids("r"), gpu.pool.num_free, gpu.pool.num_cached, list(t.done), list(t.skipped))
+        if nc + step < slots_thr and nc < comp_thr:
+            assert after == before
+        nc += step
+    gpu.free("r")
+    gpu.pool.check_invariants()
