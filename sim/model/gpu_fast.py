@@ -28,7 +28,11 @@ What it represents differently from the reference (:mod:`sim.model.gpu_cache`)
       the occurrence met first is always a stale one.
     * Decode steps (one block in, one block out, one block committed) take
       dedicated one-block paths; whole requests and prefill chunks take the
-      loops. Runs of consecutive ids (``range`` slices) were tried and dropped:
+      loops. A fast-forward decode step that is due does its window frees,
+      new blocks, commit and next thresholds in one call
+      (:meth:`GpuFastCache.decode_step`), the calls it stands for in their
+      order, the commit skipped when no group's cacheable tokens reach a new
+      block (it would change nothing). Runs of consecutive ids (``range`` slices) were tried and dropped:
       after a few hundred requests the free queue is fragmented (20 % of the
       handed-out blocks are in runs of length 1, most runs are shorter than
       32), and per-run bookkeeping cost more than it saved.
@@ -269,14 +273,21 @@ class FastBlockPool:
             return [self._pop_one()]
         ids = self._pop_head(n)
         self._nfree -= n
-        ref, bhash, incache = self.ref, self.bhash, self.incache
+        ref, bhash, incache, bgrp = self.ref, self.bhash, self.incache, self.bgrp
+        caches, dups = self._caches, self._dups
         evicted = 0
         for b in ids:
             ref[b] = 1
             h = bhash[b]
             if h is not None:  # evicted: its hash goes, and its cache entry if it is one
                 evicted += 1
-                if incache[b] or self._dups:
+                if incache[b]:
+                    if dups and (bgrp[b], h) in dups:
+                        self._uncache(b, h)
+                    else:   # :meth:`_uncache` without duplicates, inline
+                        incache[b] = 0
+                        del caches[bgrp[b]][h]
+                elif dups:
                     self._uncache(b, h)
                 bhash[b] = None
         self.num_evicted += evicted
@@ -341,19 +352,25 @@ class FastBlockPool:
         0 go to the tail of the free queue, keeping their hash for reuse, or, with
         no hash (or no prefix caching), to its head, to be reused first (vLLM's
         ``free_blocks``)."""
-        ref, bhash, caching = self.ref, self.bhash, self.enable_caching
+        ref, bhash = self.ref, self.bhash
         queued: list[int] = []
         first: list[int] = []
+        # the null block (id 0) has ref count 1 for good: ``c == 1 and b`` skips it;
+        # without prefix caching every block goes to the head
+        to_head = first.append
+        to_tail = queued.append if self.enable_caching else to_head
         try:
             for b in ids:
                 c = ref[b]
-                if c == 1:
-                    if b != NULL_BLOCK_ID:
-                        ref[b] = 0
-                        (queued if caching and bhash[b] is not None else first).append(b)
+                if c == 1 and b:
+                    ref[b] = 0
+                    if bhash[b] is None:
+                        to_head(b)
+                    else:
+                        to_tail(b)
                 elif c > 1:
                     ref[b] = c - 1
-                else:
+                elif c != 1:
                     raise GpuInvariantError(f"double free of block {b}")
         finally:
             if first:
@@ -526,6 +543,7 @@ class GpuFastCache:
         self._tables: dict[str, _Table] = {}
         self.req_blocks = _ReqBlocks(self)
         self._bs = tuple(g.tokens_per_block for g in layout.groups)
+        self._tph = layout.tokens_per_hash
         self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
         #: per window-type group: (group, rule, parameter, block size) of its first retained block
         self._skip_rules = tuple(self._skip_rule(g) for g in range(ngroups)
@@ -885,6 +903,49 @@ class GpuFastCache:
             comp = min(comp, x)
         return slots, comp
 
+    def decode_step(self, req_id: str, num_computed: int, block_hashes: Sequence[int] | None,
+                    new_ids: list[list[int]]) -> tuple[int, int] | None:
+        """One decode step of a request that is due (the fast-forward's event), in one
+        call: :meth:`allocate_more` ``(req_id, nc, nc + 1)`` with the new ids appended
+        to ``new_ids[g]``; then, given the sequence's hashes ``block_hashes`` (prefix
+        caching on), :meth:`commit` ``(req_id, block_hashes[: (nc + 1) //
+        tokens_per_hash], nc + 1)``; then :meth:`quiet_thresholds`.
+
+        The pool sees the same operations in the same order as those three calls
+        (the window frees, then the new blocks group by group, then the hashes);
+        :meth:`commit` is called only when some group's cacheable tokens reach a
+        block past its commit mark and a real block is there, since otherwise it
+        changes nothing. None when the pool is short (the skipped blocks are freed
+        all the same and nothing is allocated, as :meth:`allocate_more`)."""
+        slots = num_computed + 1
+        self.remove_skipped(req_id, num_computed)
+        t = self._tables[req_id]
+        lists = t.lists
+        want = 0
+        for blocks, bs in zip(lists, self._bs, strict=True):
+            w = -(-slots // bs) - len(blocks)
+            if w > 0:
+                want += w
+        if want:
+            pool = self.pool
+            if want > pool.num_free:
+                return None
+            for blocks, bs, acc in zip(lists, self._bs, new_ids, strict=True):
+                w = -(-slots // bs) - len(blocks)
+                if w > 0:
+                    fresh = pool.get_new_blocks(w)
+                    blocks.extend(fresh)
+                    acc.extend(fresh)
+        if block_hashes is not None:
+            for blocks, d, (bs, eagle, a) in zip(lists, t.done, self._commit_rules, strict=True):
+                up = slots - slots % a      # Layout.cacheable_tokens, inline
+                if eagle and up:
+                    up = min(slots, up + bs)
+                if up // bs > d < len(blocks):
+                    self.commit(req_id, block_hashes[: slots // self._tph], slots)
+                    break
+        return self.quiet_thresholds(req_id)
+
     def quiet_thresholds(self, req_id: str) -> tuple[int, int]:
         """:meth:`thresholds` as tight as the commit rounding allows: the same
         ``(slots, computed)`` meaning, but a group's commit bound is the first
@@ -947,11 +1008,22 @@ class GpuFastCache:
             done[g] = n
             mask = masks[g]
             if mask is not None:   # a sliding window hashes only the blocks a hit needs
+                # the kept indices (``i >= shift`` and ``(i - shift) % per >= per - need``)
+                # are the last ``need`` of every ``per``-block segment from ``shift``:
+                # one slice per segment, in index order
                 per, need, shift = mask
-                keep = [i for i in range(d, n) if i >= shift and (i - shift) % per >= per - need]
-                if keep:
-                    pool.commit_ids([blocks[i] for i in keep],
-                                    [block_hashes[(i + 1) * hpb - 1] for i in keep], g)
+                seg = shift + (max(d, shift) - shift) // per * per
+                ids: list[int] = []
+                hs: list[int] = []
+                while seg < n:
+                    a = max(d, seg + per - need)
+                    b = min(n, seg + per)
+                    if a < b:
+                        ids += blocks[a:b]
+                        hs += block_hashes[(a + 1) * hpb - 1 : b * hpb : hpb]
+                    seg += per
+                if ids:
+                    pool.commit_ids(ids, hs, g)
                 continue
             if n - d > 1:
                 pool.commit_ids(blocks[d:n], block_hashes[(d + 1) * hpb - 1 : n * hpb : hpb], g)

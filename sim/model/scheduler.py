@@ -1278,12 +1278,16 @@ class Scheduler:
     def fast_forward_step(self, ff: FastForward, s: int) -> None:
         """Apply decode step ``s`` of ``ff`` (before its forward pass): the
         requests that cross a block boundary allocate, free and commit."""
-        gpu = self.gpu
-        heap, running, nc0, nt0 = ff.heap, ff.running, ff.nc0, ff.nt0
+        heap, running, nc0, nt0, new_ids = ff.heap, ff.running, ff.nc0, ff.nt0, ff.new_ids
         k = ff.k
         computed = self.hooks.computed
+        ngroups = len(self.layout.groups)
+        # the fast cache does a step's allocate/free/commit/thresholds in one call
+        fused = self.gpu.decode_step if isinstance(self.gpu, GpuFastCache) else None
+        caching = self.cfg.prefix_caching
+        heappop, heappush = heapq.heappop, heapq.heappush
         while heap and heap[0][0] <= s:
-            _, i = heapq.heappop(heap)
+            _, i = heappop(heap)
             r = running[i]
             nc = nc0[i] + s
             r.num_computed = nc
@@ -1291,17 +1295,32 @@ class Scheduler:
             if computed is not None:    # write what the steps so far computed, before any free
                 computed(r, ff.written[i], nc)
                 ff.written[i] = nc
-            ids = gpu.allocate_more(r.req_id, nc, nc + 1)
-            if ids is None:
+            acc = new_ids.get(i)
+            if acc is None:
+                acc = new_ids[i] = [[] for _ in range(ngroups)]
+            if fused is not None:
+                thr = fused(r.req_id, nc, r.full_hashes if caching else None, acc)
+            else:
+                thr = self._decode_step(r, nc, acc)
+            if thr is None:
                 raise InvariantViolation("fast-forward allocation failed after the dry run")
-            acc = ff.new_ids.setdefault(i, [[] for _ in ids])
-            for g, new in enumerate(ids):
-                acc[g].extend(new)
-            self._commit(r, nc + 1)
-            r.thr_slots, r.thr_comp = self._thresholds(r.req_id)
-            nxt = s + max(1, min(r.thr_slots - nc - 1, r.thr_comp - nc))
+            slots, comp = r.thr_slots, r.thr_comp = thr
+            wait = min(slots - nc - 1, comp - nc)
+            nxt = s + wait if wait > 1 else s + 1
             if nxt < k:
-                heapq.heappush(heap, (nxt, i))
+                heappush(heap, (nxt, i))
+
+    def _decode_step(self, r: LiveRequest, nc: int, acc: list[list[int]]) -> tuple[int, int] | None:
+        """A due request's decode step with ``nc`` computed tokens (the reference
+        accounting; the fast one fuses this: :meth:`GpuFastCache.decode_step`):
+        allocate, free and commit; new ids appended to ``acc``; its thresholds."""
+        ids = self.gpu.allocate_more(r.req_id, nc, nc + 1)
+        if ids is None:
+            return None
+        for g, new in enumerate(ids):
+            acc[g].extend(new)
+        self._commit(r, nc + 1)
+        return self._thresholds(r.req_id)
 
     def finish_fast_forward(self, ff: FastForward) -> None:
         """The ``k`` steps ran: every request computed and sampled ``k`` tokens."""
