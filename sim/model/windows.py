@@ -343,7 +343,31 @@ class _New(WindowProfile):
         if blocks is None:
             return None
         bpc = layout.blocks_per_chunk
-        return [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(end - start)]
+        return _chunks_any(blocks, bpc)
+
+
+def _periodic_mask(b0: int, b1: int, shift: int, per: int, need: int) -> list[bool]:
+    """``[i >= shift and (i - shift) % per >= per - need for i in range(b0, b1)]``,
+    built by tiling one period (the last ``need`` of every ``per`` blocks from
+    ``shift``) instead of testing every index."""
+    if b1 <= b0:
+        return []
+    lo = min(max(b0, shift), b1)
+    out = [False] * (lo - b0)
+    if lo < b1:
+        off = (lo - shift) % per
+        period = [False] * (per - need) + [True] * need
+        out += (period * ((off + b1 - lo) // per + 1))[off : off + b1 - lo]
+    return out
+
+
+def _chunks_any(blocks: list[bool], bpc: int) -> list[bool]:
+    """Per chunk of ``bpc`` blocks, whether any of its blocks is set:
+    ``[any(blocks[k * bpc : (k + 1) * bpc]) for k in range(len(blocks) // bpc)]``
+    (``len(blocks)`` is a multiple of ``bpc``), with the per-chunk loop in C."""
+    if bpc == 1:
+        return list(blocks)
+    return list(map(any, zip(*(blocks[j::bpc] for j in range(bpc)), strict=True)))
 
 
 def _block_mask(layout: Layout, g: int, eagle: bool, start: int, end: int, horizon: int | None,
@@ -369,7 +393,7 @@ def _block_mask(layout: Layout, g: int, eagle: bool, start: int, end: int, horiz
     shift = int(eagle)
     bpc = layout.blocks_per_chunk
     b0, b1 = start * bpc, end * bpc
-    blocks = [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(b0, b1)]
+    blocks = _periodic_mask(b0, b1, shift, per_segment, need)
     if horizon is not None and not eagle:
         final_end = horizon * bpc
         final_size = final_end % per_segment
@@ -444,7 +468,7 @@ class _Latest(_New):
             # one block per chunk: the null check is the connector's last-block test
             if blocks is None:
                 return None
-            return [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(end - start)]
+            return _chunks_any(blocks, bpc)
         ids = block_ids[start * bpc : end * bpc]
         out = []
         for k in range(end - start):

@@ -424,3 +424,19 @@ def test_profiles_are_found_by_name() -> None:
     assert windows.profile("old") is OLD and windows.profile("new") is NEW
     assert [p.logic.value for p in (OLD, NEW)] == ["old", "new"]
 
+
+
+def test_periodic_mask_and_chunks_any_equal_their_definitions() -> None:
+    """The tiled block mask and the per-chunk ``any`` equal the index-by-index forms."""
+    for b0 in range(12):
+        for b1 in range(40):
+            for shift in (0, 1):
+                for per in (1, 2, 3, 4, 8, 32):
+                    for need in range(per):
+                        want = [i >= shift and (i - shift) % per >= per - need for i in range(b0, b1)]
+                        assert windows._periodic_mask(b0, b1, shift, per, need) == want
+    for bpc in (1, 2, 3, 4):
+        for n in range(10):
+            blocks = [(k * 7 + n) % 5 == 0 for k in range(n * bpc)]
+            want = [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(n)]
+            assert windows._chunks_any(blocks, bpc) == want
