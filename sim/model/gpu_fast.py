@@ -16,7 +16,9 @@ What it represents differently from the reference (:mod:`sim.model.gpu_cache`)
     * A request's block table per group is a list of ids (0: null), the
       reference's list of ``Block`` with the objects replaced by their ids.
     * The prefix cache is one ``dict`` per group, ``hash -> block id`` (the
-      reference keys one dict by ``(hash, group)``, a tuple built per block).
+      reference keys one dict by ``(hash, group)``, a tuple built per block);
+      so are the other blocks committed under a cached hash (duplicates, in
+      commit order), with a per-block flag saying a block is one.
     * The free queue is a deque of *chunks* (lists of ids, head first) instead
       of an ``OrderedDict`` of blocks: the blocks a free call queues are
       appended as one piece (extending the tail chunk), allocation slices ids
@@ -69,7 +71,11 @@ Invariants (:meth:`FastBlockPool.check_invariants`)
     * a block is a valid free-queue entry exactly when its ref count is 0;
     * the null block is never queued, freed or hashed (ref count pinned at 1);
     * ``incache[b]`` exactly when the prefix cache of ``bgrp[b]`` maps
-      ``bhash[b]`` to ``b``.
+      ``bhash[b]`` to ``b``;
+    * ``isdup[b]`` exactly when ``b`` is in the duplicate list of
+      ``bhash[b]`` in group ``bgrp[b]`` (a block that took a hash whose cache
+      entry is another block), so an evicted block that is neither entry nor
+      duplicate needs no lookup.
 """
 
 from __future__ import annotations
@@ -155,9 +161,11 @@ class FastBlockPool:
         #: 1 where the prefix cache of bgrp[b] maps bhash[b] to b
         self.incache = bytearray(num_blocks)
         self._caches: list[dict[int, int]] = [{} for _ in range(max(1, num_groups))]
-        #: (group, hash) -> the other blocks carrying that cached hash, in commit order
+        #: per group, hash -> the other blocks carrying that cached hash, in commit order
         #: (vLLM keeps every block of a hash findable; the entry is the earliest still there)
-        self._dups: dict[tuple[int, int], list[int]] = {}
+        self._dups: list[dict[int, list[int]]] = [{} for _ in range(max(1, num_groups))]
+        #: 1 where block b is one of those other blocks (in ``_dups[bgrp[b]][bhash[b]]``)
+        self.isdup = bytearray(num_blocks)
         #: chunks of queued ids, head first
         self._queue: deque[list[int]] = deque([list(range(1, num_blocks))])
         #: ids of the head chunk below this index are gone
@@ -197,7 +205,18 @@ class FastBlockPool:
     def _group_cache(self, g: int) -> dict[int, int]:
         while g >= len(self._caches):
             self._caches.append({})
+            self._dups.append({})
         return self._caches[g]
+
+    def _add_dup(self, g: int, h: int, b: int) -> None:
+        """``b`` got hash ``h`` of group ``g`` while another block is its cache entry."""
+        dg = self._dups[g]
+        lst = dg.get(h)
+        if lst is None:
+            dg[h] = [b]
+        else:
+            lst.append(b)
+        self.isdup[b] = 1
 
     # -- free queue ---------------------------------------------------------------------
 
@@ -273,7 +292,7 @@ class FastBlockPool:
             return [self._pop_one()]
         ids = self._pop_head(n)
         self._nfree -= n
-        ref, bhash, incache, bgrp = self.ref, self.bhash, self.incache, self.bgrp
+        ref, bhash, incache, bgrp, isdup = self.ref, self.bhash, self.incache, self.bgrp, self.isdup
         caches, dups = self._caches, self._dups
         evicted = 0
         for b in ids:
@@ -282,12 +301,13 @@ class FastBlockPool:
             if h is not None:  # evicted: its hash goes, and its cache entry if it is one
                 evicted += 1
                 if incache[b]:
-                    if dups and (bgrp[b], h) in dups:
+                    g = bgrp[b]
+                    if h in dups[g]:
                         self._uncache(b, h)
                     else:   # :meth:`_uncache` without duplicates, inline
                         incache[b] = 0
-                        del caches[bgrp[b]][h]
-                elif dups:
+                        del caches[g][h]
+                elif isdup[b]:
                     self._uncache(b, h)
                 bhash[b] = None
         self.num_evicted += evicted
@@ -309,7 +329,7 @@ class FastBlockPool:
         h = self.bhash[b]
         if h is not None:
             self.num_evicted += 1
-            if self.incache[b] or self._dups:
+            if self.incache[b] or self.isdup[b]:
                 self._uncache(b, h)
             self.bhash[b] = None
         return b
@@ -318,22 +338,24 @@ class FastBlockPool:
         """``b`` loses hash ``h``: if it was the entry, the earliest other block with
         that hash becomes the entry, else it leaves the duplicates."""
         g = self.bgrp[b]
-        key = (g, h)
-        dups = self._dups.get(key)
+        dg = self._dups[g]
+        dups = dg.get(h)
         if self.incache[b]:
             self.incache[b] = 0
             if dups:
                 nb = dups.pop(0)
+                self.isdup[nb] = 0
                 self._caches[g][h] = nb
                 self.incache[nb] = 1
                 if not dups:
-                    del self._dups[key]
+                    del dg[h]
             else:
                 del self._caches[g][h]
-        elif dups is not None and b in dups:
+        elif dups is not None and self.isdup[b]:
             dups.remove(b)
+            self.isdup[b] = 0
             if not dups:
-                del self._dups[key]
+                del dg[h]
 
     def touch(self, ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue at 0 -> 1)."""
@@ -412,7 +434,7 @@ class FastBlockPool:
                         cg[h] = b
                         incache[b] = 1
                     else:   # a second block with this hash: findable once the entry goes
-                        self._dups.setdefault((g, h), []).append(b)
+                        self._add_dup(g, h, b)
         else:
             for h, b in zip(hashes, ids, strict=True):
                 if bhash[b] is None and b:
@@ -467,6 +489,15 @@ class FastBlockPool:
             n += len(cg)
         if self.incache.count(1) != n:
             raise GpuInvariantError("prefix-cache flags disagree with the cache")
+        n = 0
+        for g, dg in enumerate(self._dups):
+            for h, lst in dg.items():
+                for b in lst:
+                    if not self.isdup[b] or self.bhash[b] != h or self.bgrp[b] != g or self.incache[b]:
+                        raise GpuInvariantError(f"duplicate {b} of hash {h} in group {g} is not flagged")
+                n += len(lst)
+        if self.isdup.count(1) != n:
+            raise GpuInvariantError("duplicate flags disagree with the duplicate lists")
 
 
 class _Table:
@@ -1039,7 +1070,7 @@ class GpuFastCache:
                         cg[h] = b
                         pool.incache[b] = 1
                     else:
-                        pool._dups.setdefault((g, h), []).append(b)
+                        pool._add_dup(g, h, b)
 
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""
