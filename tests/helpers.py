@@ -10,6 +10,7 @@ from pathlib import Path
 from sim.model.connector import OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache
 from sim.model.gpu_cache import GpuKVCache
+from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.windows import profile
 
@@ -46,6 +47,26 @@ class Req:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = self.num_tokens
+
+
+def quiet_thresholds_from_scratch(gpu: GpuFastCache, req_id: str) -> tuple[int, int]:
+    """:meth:`GpuFastCache.quiet_thresholds` computed from the request's table alone
+    (no kept bounds): what the kept bounds must always equal."""
+    t = gpu._tables[req_id]
+    slots = comp = 1 << 62
+    for g, (blocks, d) in enumerate(zip(t.lists, t.done, strict=True)):
+        spec = gpu.layout.groups[g]
+        bs = spec.tokens_per_block
+        slots = min(slots, len(blocks) * bs + 1)
+        if gpu.pool.enable_caching:   # the least t with cacheable_tokens(g, t) >= (d + 1) * bs
+            x = (d + 1) * bs
+            t_min = x
+            while gpu.layout.cacheable_tokens(g, t_min) < x:
+                t_min += 1
+            slots = min(slots, t_min)
+        if spec.kind is not GroupKind.FULL:
+            comp = min(comp, gpu.next_skip(g, t.skipped[g]))
+    return slots, comp
 
 
 def make_req(layout: Layout, num_tokens: int, req_id: str = "r", base: int = 1) -> Req:

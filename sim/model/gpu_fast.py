@@ -55,7 +55,11 @@ Why the decisions are the same
     (not the reference's ``thresholds``, kept here too) when a request's next
     allocation, free or commit is due: it is tighter (it knows that commits
     wait for the groups' common block size) and only ever skips calls that
-    change nothing, so no decision moves (tests/model/test_gpu_running.py).
+    change nothing, so no decision moves (tests/model/test_gpu_running.py);
+    its commit and skip bounds are kept on the request's table and recomputed
+    only when :meth:`GpuFastCache.commit` or :meth:`GpuFastCache.remove_skipped`
+    moves a mark (the differential test checks them against their definition
+    after every call).
     ``tests/model/test_gpu_fast.py`` runs both side by side
     and compares results, counters, the whole free queue, every block's ref
     count and hash and the prefix-cache map after every call.
@@ -425,13 +429,14 @@ class FastBlockPool:
         committed under a hash becomes its prefix-cache entry."""
         bhash, bgrp, incache = self.bhash, self.bgrp, self.incache
         if self.enable_caching:
-            cg = self._group_cache(g)
+            # one probe of the (large) cache dict per block: ``b`` has no hash, so it is
+            # no entry, and ``setdefault`` returns ``b`` exactly when it became one
+            enter = self._group_cache(g).setdefault
             for h, b in zip(hashes, ids, strict=True):
                 if bhash[b] is None and b:
                     bhash[b] = h
                     bgrp[b] = g
-                    if h not in cg:
-                        cg[h] = b
+                    if enter(h, b) == b:
                         incache[b] = 1
                     else:   # a second block with this hash: findable once the entry goes
                         self._add_dup(g, h, b)
@@ -503,7 +508,7 @@ class FastBlockPool:
 class _Table:
     """One request's block tables."""
 
-    __slots__ = ("done", "lists", "skipped")
+    __slots__ = ("cbound", "done", "lists", "sbound", "skipped")
 
     def __init__(self, lists: tuple[list[int], ...], skipped: list[int]) -> None:
         self.lists = lists
@@ -511,6 +516,11 @@ class _Table:
         self.done = [0] * len(lists)
         #: per group: blocks below this index were replaced by null (may be -1, as in the reference)
         self.skipped = skipped
+        #: the parts of :meth:`GpuFastCache.quiet_thresholds` that depend on ``done``
+        #: (commit bound) and ``skipped`` (skip bound) alone, kept up to date by the
+        #: only methods that change those (0 until the owner sets them: always due)
+        self.cbound = 0
+        self.sbound = 0
 
 
 class FastAllocation:
@@ -839,7 +849,9 @@ class GpuFastCache:
                 fresh = pool.get_new_blocks(want)
                 lists[g].extend(fresh)
                 new_ids[g].extend(fresh)
-        self._tables[req_id] = _Table(lists, list(nulls))
+        t = self._tables[req_id] = _Table(lists, list(nulls))
+        t.cbound = self._commit_bound(t.done)
+        t.sbound = self._skip_bound(t.skipped)
         return FastAllocation(pool, lists, tuple(tuple(x) for x in new_ids), tuple(nulls))
 
     def remove_skipped(self, req_id: str, num_computed: int) -> None:
@@ -849,6 +861,7 @@ class GpuFastCache:
         t = self._tables[req_id]
         lists, skipped = t.lists, t.skipped
         nc = num_computed
+        changed = False
         for g, rule, p, bs in self._skip_rules:
             if rule == 0:
                 x = nc - p
@@ -874,7 +887,10 @@ class GpuFastCache:
                 removed.append(blocks[-1])
                 blocks[-1] = NULL_BLOCK_ID
             skipped[g] = first
+            changed = True
             self.pool.free(removed)
+        if changed:
+            t.sbound = self._skip_bound(skipped)
 
     def allocate_more(self, req_id: str, num_computed: int,
                       num_slots: int) -> tuple[tuple[int, ...], ...] | None:
@@ -995,18 +1011,32 @@ class GpuFastCache:
         :meth:`commit` changes nothing (tests/model/test_gpu_running.py); the
         slot bound (a new block) and the computed bound (a window frees) are
         :meth:`thresholds`' own. Skipping calls that change nothing changes no
-        decision."""
+        decision.
+
+        The commit and skip bounds depend on the request's commit and skip marks
+        alone: they are kept on its table (:meth:`_commit_bound`, :meth:`_skip_bound`),
+        recomputed by :meth:`commit` and :meth:`remove_skipped` when they move a
+        mark; only the slot bound (the table lengths) is computed here."""
         t = self._tables[req_id]
-        slots = comp = 1 << 62
+        slots = t.cbound
+        for blocks, bs in zip(t.lists, self._bs, strict=True):
+            slots = min(slots, len(blocks) * bs + 1)
+        return slots, t.sbound
+
+    def _commit_bound(self, done: Sequence[int]) -> int:
+        """The smallest token count at which :meth:`commit` moves a commit mark
+        (see :meth:`quiet_thresholds`); a large number without prefix caching."""
+        bound = 1 << 62
         if self.pool.enable_caching:
-            for blocks, d, (bs, eagle, a) in zip(t.lists, t.done, self._commit_rules, strict=True):
+            for d, (bs, eagle, a) in zip(done, self._commit_rules, strict=True):
                 x = (d + 1) * bs
-                x = max(x, -(-(x - bs) // a) * a, a) if eagle else -(-x // a) * a
-                slots = min(slots, len(blocks) * bs + 1, x)
-        else:
-            for blocks, bs in zip(t.lists, self._bs, strict=True):
-                slots = min(slots, len(blocks) * bs + 1)
-        skipped = t.skipped
+                bound = min(bound, max(x, -(-(x - bs) // a) * a, a) if eagle else -(-x // a) * a)
+        return bound
+
+    def _skip_bound(self, skipped: Sequence[int]) -> int:
+        """The smallest computed-token count at which :meth:`remove_skipped` frees
+        (a large number with no window-type group)."""
+        bound = 1 << 62
         for g, rule, p, b in self._skip_rules:
             k = skipped[g] + 1
             if rule == 0:
@@ -1015,8 +1045,8 @@ class GpuFastCache:
                 x = -(-(k * b) // p) * p
             else:
                 x = k * b + 1
-            comp = min(comp, x)
-        return slots, comp
+            bound = min(bound, x)
+        return bound
 
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
@@ -1030,6 +1060,7 @@ class GpuFastCache:
         layout = self.layout
         masks = layout.gpu_cache_masks
         align = layout.gpu_cache_align
+        changed = False
         for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
             d = done[g]
             upto = num_tokens if align is None else layout.cacheable_tokens(g, num_tokens)
@@ -1037,6 +1068,7 @@ class GpuFastCache:
             if n <= d:
                 continue
             done[g] = n
+            changed = True
             mask = masks[g]
             if mask is not None:   # a sliding window hashes only the blocks a hit needs
                 # the kept indices (``i >= shift`` and ``(i - shift) % per >= per - need``)
@@ -1071,6 +1103,8 @@ class GpuFastCache:
                         pool.incache[b] = 1
                     else:
                         pool._add_dup(g, h, b)
+        if changed:
+            t.cbound = self._commit_bound(done)
 
     def free(self, req_id: str) -> None:
         """Release every block of a request, tail first."""

@@ -14,7 +14,8 @@ implementations get the same calls; after every call the test asserts the
 same return values (block ids), the same exception type (the run stops
 there), the same pool counters, the same whole free queue (``free_ids_head``),
 the same ref count and hash of every block, the same prefix-cache map, the
-same per-request block ids and thresholds, and that both pass
+same per-request block ids and thresholds (and the fast cache's kept
+quiet thresholds equal to their definition), and that both pass
 ``check_invariants``. A seeded spec §6 run with chunked prefill and decode
 does the same at a realistic scale.
 """
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 from sim.model.gpu_cache import GpuInvariantError, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
-from tests.helpers import SPEC6, cla, fa, swa
+from tests.helpers import SPEC6, cla, fa, quiet_thresholds_from_scratch, swa
 
 # -- the pair of caches ------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class Pair:
             assert [len(lst) for lst in ref.req_blocks[rid]] == fast.table_lens(rid)
             assert [len(lst) for lst in fast.req_blocks[rid]] == fast.table_lens(rid)
             assert ref.thresholds(rid) == fast.thresholds(rid)
+            assert fast.quiet_thresholds(rid) == quiet_thresholds_from_scratch(fast, rid)
         pa.check_invariants()
         pb.check_invariants()
 

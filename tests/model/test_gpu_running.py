@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
-from tests.helpers import fa, swa
+from tests.helpers import fa, quiet_thresholds_from_scratch, swa
 
 
 def _hashes(n: int, salt: int = 0) -> list[int]:
@@ -240,6 +240,7 @@ def test_quiet_thresholds_are_tight_and_safe(layout: Layout, prompt: int, steps:
     nc = prompt
     for step in steps:
         slots_thr, comp_thr = gpu.quiet_thresholds("r")
+        assert (slots_thr, comp_thr) == quiet_thresholds_from_scratch(gpu, "r")
         plain = gpu.thresholds("r")
         assert slots_thr >= plain[0] and comp_thr >= plain[1]
         t = gpu._tables["r"]
