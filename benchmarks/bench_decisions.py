@@ -11,8 +11,7 @@ the imports (no interpreter start-up), best of ``--repeat`` runs:
 (a) the full ``sim.cli.main(['check', '--json', FILE])`` path, stdout sent to
     a null stream (read, parse and validate, decide, JSON out), the same with
     the garbage collector off (a what-if: the batch's surviving objects
-    trigger full collections of the whole heap), and its parts: ``json_loads``
-    (orjson; the standard library's ``json.loads`` beside it), ``prepare_check``
+    trigger full collections of the whole heap), and its parts: ``json.loads``, ``prepare_check``
     (validation and the kernel's table; pydantic's share of it), ``evaluate``
     (the decision half), ``json_dumps`` (orjson; ``json.dumps`` beside it);
 (b) the kernel alone (``sim.model.decision.decide`` on the scenarios' cases,
@@ -48,7 +47,6 @@ from sim.io.check import (
     CheckScenario,
     evaluate,
     json_dumps,
-    json_loads,
     load_check_file,
     parse_check,
     prepare_check,
@@ -158,8 +156,7 @@ def main() -> None:
             line("  the same, garbage collector off (what-if)", decisions, best_of(args.repeat, cli))
         finally:
             gc.enable()
-        line("  json_loads (the file; orjson)", decisions, best_of(args.repeat, lambda: json_loads(text)))
-        line("    json.loads (stdlib)", decisions, best_of(args.repeat, lambda: json.loads(text)))
+        line("  json.loads (the file)", decisions, best_of(args.repeat, lambda: json.loads(text)))
         line("  prepare_check (validation, and the kernel's table)", decisions,
              best_of(args.repeat, lambda: [prepare_check(d, "bench") for d in items]))
         line("    of which CheckScenario.model_validate", decisions,

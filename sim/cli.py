@@ -80,8 +80,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     path = Path(args.file)
     batch, items = load_check_file(path, jsonl=args.jsonl)
     # the parsed batch and its results hold no reference cycles: keep the cyclic
-    # collector from rescanning them (two full passes cost a large batch ~40 %)
+    # collector from rescanning them (two full passes cost a large batch ~40 %), and
+    # while the batch is decided let it run rarely and never rescan the results as they
+    # accumulate (each scenario allocates a few hundred short-lived objects; the default
+    # thresholds cost a 5,000-scenario batch about 15 %: benchmarks/bench_decisions.py);
+    # the caller's thresholds come back afterwards
     gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100_000, 1_000, 1_000)
+    try:
+        return _check_items(args, path, batch, items)
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def _check_items(args: argparse.Namespace, path: Path, batch: bool, items: list[Any]) -> int:
+    """Decide (or replay) every item of a check file and print the results."""
     results: list[Any] = []
     failed = False
     for i, item in enumerate(items):

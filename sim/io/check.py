@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -484,25 +483,6 @@ def prepare_check(data: Any, source: str) -> tuple[CheckScenario, KernelTable | 
     return sc, KernelTable(dl, *table)
 
 
-#: 19 digits in a row: a number orjson might read as a float (it reads integers beyond 64 bits
-#: as floats, where the standard library keeps them exact).
-_LONG_DIGITS = re.compile(r"\d{19}")
-
-
-def json_loads(text: str) -> Any:
-    """Parse JSON text: orjson, about 1.6x the standard library on a check batch. Text with a
-    run of 19 or more digits (an integer orjson might turn into a float) and whatever orjson
-    refuses (bad JSON, ``NaN``, deep nesting, lone surrogates) go to the standard library,
-    whose result or :class:`json.JSONDecodeError` (and so whose error message) stands. Both
-    keep the last of duplicate keys."""
-    if _LONG_DIGITS.search(text) is None:
-        try:
-            return orjson.loads(text)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(text)
-
-
 def json_dumps(obj: Any) -> str:
     """Compact JSON of check results (no spaces after separators): orjson, about 5x the
     standard library, with non-string keys written as strings as ``json.dumps`` does; what
@@ -527,7 +507,7 @@ def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    items.append(json_loads(line))
+                    items.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     items.append({"__error__": f"{source}:line {n}: bad JSON: {exc.msg}"})
                 except RecursionError:
@@ -539,7 +519,7 @@ def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
         except tomllib.TOMLDecodeError as exc:
             raise InputError(source, "", f"bad TOML: {exc}") from None
     try:
-        data = json_loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(source, f"line {exc.lineno}", f"bad JSON: {exc.msg}",
                          "a check/1 scenario or a list of them (TOML or JSON)") from None

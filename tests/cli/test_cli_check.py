@@ -44,6 +44,18 @@ def test_single_json_both_logics(tmp_path: Path, capsys):
                           "group_sizes": [], "block_indices": [], "crash": None, "hazards": []}
 
 
+def test_the_collector_thresholds_come_back_after_a_batch(tmp_path: Path, capsys):
+    # check --json raises the collector's thresholds while it decides a batch (speed);
+    # the caller's come back after it, on success and on a failed item alike
+    import gc
+    before = gc.get_threshold()
+    f = tmp_path / "batch.json"
+    f.write_text(json.dumps([S6, dict(S6, num_tokens=-5)]))
+    code, out, _ = run(["check", str(f), "--json"], capsys)
+    assert code == 1 and len(json.loads(out)) == 2
+    assert gc.get_threshold() == before
+
+
 def test_batch_list_keeps_order_and_reports_bad_items_in_place(tmp_path: Path, capsys):
     present = json.loads(json.dumps(S6))
     present["chunk_states"]["1"]["14"] = "present"

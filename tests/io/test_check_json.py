@@ -1,6 +1,8 @@
-"""The check format's JSON reader and writer (``sim.io.check.json_loads`` / ``json_dumps``):
-orjson for speed, and the standard library's answers wherever orjson refuses, so a batch
-reads and writes exactly what ``json`` would (up to whitespace in the output)."""
+"""The check format's JSON: ``sim.io.check.json_dumps`` writes a batch's results with
+orjson (about 9x the standard library here) and falls back to the standard library where
+orjson cannot write, so a batch's output reads back as exactly what ``json.dumps`` would
+have written (up to whitespace); a check file nested too deeply for the standard library's
+reader is one clear error."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sim.errors import InputError
-from sim.io.check import json_dumps, json_loads, load_check_file
+from sim.io.check import json_dumps, load_check_file
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8)
            | st.floats(allow_nan=False, allow_infinity=False))
@@ -25,34 +27,13 @@ values: st.SearchStrategy[Any] = st.recursive(
 
 
 @given(values)
-def test_the_same_objects_as_the_standard_library(obj: Any) -> None:
-    text = json.dumps(obj)
-    assert json_loads(text) == json.loads(text)
-    assert json.loads(json_dumps(obj)) == json.loads(text)
-
-
-@pytest.mark.parametrize("text", ["[NaN, Infinity]", '{"a": 1, "a": 2}',
-                                  "[18446744073709551616, -9223372036854775809]",
-                                  '"\\ud800"', "[" * 900 + "]" * 900])
-def test_what_orjson_refuses_the_standard_library_reads(text: str) -> None:
-    expected = json.loads(text)
-    got = json_loads(text)
-    assert json.dumps(got) == json.dumps(expected)
-
-
-@pytest.mark.parametrize("text", ["[1, 2", "{'a': 1}", "", "[1,]"])
-def test_bad_json_raises_the_standard_librarys_error(text: str) -> None:
-    with pytest.raises(json.JSONDecodeError) as ours:
-        json_loads(text)
-    with pytest.raises(json.JSONDecodeError) as theirs:
-        json.loads(text)
-    assert (ours.value.msg, ours.value.lineno, ours.value.colno) == \
-        (theirs.value.msg, theirs.value.lineno, theirs.value.colno)
+def test_reads_back_as_the_standard_librarys_output(obj: Any) -> None:
+    assert json.loads(json_dumps(obj)) == json.loads(json.dumps(obj))
 
 
 def test_the_output_is_compact_and_falls_back_for_huge_integers() -> None:
     assert json_dumps({"a": [1, 2], 3: None}) == '{"a":[1,2],"3":null}'
-    assert json_dumps([2**80]) == f"[{2**80}]"
+    assert json_dumps([2**80, -(2**70)]) == f"[{2**80},{-(2**70)}]"
 
 
 @pytest.mark.parametrize("jsonl", [False, True])
