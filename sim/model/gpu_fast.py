@@ -931,24 +931,14 @@ class GpuFastCache:
         nothing while the slot count stays below ``slots`` and the computed count
         below ``computed``."""
         t = self._tables[req_id]
-        slots = comp = 1 << 62
+        slots = 1 << 62
         if self.pool.enable_caching:
             for blocks, d, bs in zip(t.lists, t.done, self._bs, strict=True):
                 slots = min(slots, len(blocks) * bs + 1, (d + 1) * bs)
         else:
             for blocks, bs in zip(t.lists, self._bs, strict=True):
                 slots = min(slots, len(blocks) * bs + 1)
-        skipped = t.skipped
-        for g, rule, p, b in self._skip_rules:
-            k = skipped[g] + 1
-            if rule == 0:
-                x = k * b + p
-            elif rule == 1:
-                x = -(-(k * b) // p) * p
-            else:
-                x = k * b + 1
-            comp = min(comp, x)
-        return slots, comp
+        return slots, self._skip_bound(t.skipped)
 
     def decode_step(self, req_id: str, num_computed: int, block_hashes: Sequence[int] | None,
                     new_ids: list[list[int]]) -> tuple[int, int] | None:
