@@ -224,14 +224,21 @@ def _blocks(ids: Iterable[Sequence[int]]) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
+def _lookups(log: list[tuple[str, int, int | None, bool]] | None) -> defaultdict[str, dict[str, Any]]:
+    """A step's decisions per request, started from a side's lookup log (each
+    ``(req_id, local, external, load_async)``), which is emptied for the next step."""
+    reqs: defaultdict[str, dict[str, Any]] = defaultdict(dict)
+    if log:
+        for rid, local, ext, load_async in log:
+            reqs[rid]["lookup"] = (local, ext, load_async)
+        log.clear()
+    return reqs
+
+
 def model_decisions(engine: Engine, plan: StepPlan, crashes: tuple[tuple[str, str], ...]) -> StepDecisions:
     """The decisions of kvsim's model in one step (from its plan and its lookup log)."""
     sched = engine.sched
-    reqs: dict[str, dict[str, Any]] = defaultdict(dict)
-    log = sched.lookup_log or []
-    for rid, local, ext, load_async in log:
-        reqs[rid]["lookup"] = (local, ext, load_async)
-    log.clear()
+    reqs = _lookups(sched.lookup_log)
     for r, n, _ in plan.scheduled:
         reqs[r.req_id]["scheduled"] = n
     for r in plan.preempted:
@@ -258,11 +265,7 @@ def vllm_decisions(engine: Any, step: Any, crashes: tuple[tuple[str, str], ...])
     """The decisions of real vLLM in one step (its ``SchedulerOutput``, the connector's jobs and
     metadata, the logged lookups and evictions)."""
     real = engine.real
-    reqs: dict[str, dict[str, Any]] = defaultdict(dict)
-    log = real.lookup_log or []
-    for rid, local, ext, load_async in log:
-        reqs[rid]["lookup"] = (local, ext, load_async)
-    log.clear()
+    reqs = _lookups(real.lookup_log)
     elog = real.evicted_log or []
     evicted = tuple(sorted(key_of_vllm(k) for k in elog))
     elog.clear()
