@@ -241,6 +241,14 @@ class _ReqState:
     #: every prompt chunk is past ``next_stored`` and only prompt KV is offloaded:
     #: until the request finishes (or is looked up again) no store can be built
     store_quiet: bool = False
+    #: per group: the set of ids in :meth:`OffloadingScheduler._zero_range`'s
+    #: slice, and that slice's ``(start, stop)`` when the set was made (None:
+    #: make it again); see :meth:`OffloadingScheduler._unstored_ids`
+    unstored: list[tuple[int, int, set[int]] | None] = field(default_factory=list)
+    #: 0-slot cache: a full-attention group offered a chunk at this many
+    #: offloadable tokens; until the next lookup every step with as many offers
+    #: again (see :meth:`OffloadingScheduler.build_store_job`)
+    offer_pin: int | None = None
 
 
 class OffloadingScheduler:
@@ -287,6 +295,9 @@ class OffloadingScheduler:
         #: the CPU manager when it has secondary tiers (chunk-query counting per request)
         self._tiered: _TieredLookup | None = cpu if isinstance(cpu, _TieredLookup) else None
         self._reqs: dict[str, _ReqState] = {}
+        #: the states holding block ids (learned since their last lookup): the
+        #: only ones :meth:`zero_reallocated` can change (a waiting request holds none)
+        self._holding: dict[str, _ReqState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count()
         #: block id -> pending store jobs reading it (flush fences, spec §7.6)
@@ -309,8 +320,9 @@ class OffloadingScheduler:
     def on_new_request(self, req: RequestLike) -> None:
         """Create the request's state (empty key lists)."""
         n = len(self._groups)
+        self._holding.pop(req.req_id, None)
         self._reqs[req.req_id] = _ReqState(
-            req, [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [0] * n
+            req, [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [0] * n, unstored=[None] * n
         )
 
     def has_request(self, req_id: str) -> bool:
@@ -362,6 +374,9 @@ class OffloadingScheduler:
         st.store_quiet = False
         for ids in st.block_ids:
             ids.clear()
+        st.unstored = [None] * len(st.unstored)
+        st.offer_pin = None
+        self._holding.pop(req.req_id, None)
         if self.profile.restarts_store_index_on_lookup:
             st.next_stored = [0] * len(st.next_stored)
         if st.jobs:
@@ -701,6 +716,7 @@ class OffloadingScheduler:
         st = self._reqs[req_id]
         for ids, new in zip(st.block_ids, new_block_ids, strict=True):
             ids.extend(new)
+        self._holding[req_id] = st
 
     def _zero_range(self, st: _ReqState, g: int) -> range:
         bpc = self.layout.blocks_per_chunk
@@ -716,17 +732,43 @@ class OffloadingScheduler:
         new block ids, spec §7.6)."""
         if not allocated or not self._window_groups:
             return
-        for st in self._reqs.values():
+        for st in self._holding.values():
+            if st.store_quiet:
+                continue
             for g in self._window_groups:
-                if st.store_quiet:
-                    break
-                ids = st.block_ids[g]
                 rng = self._zero_range(st, g)
-                if allocated.isdisjoint(ids[rng.start : rng.stop]):   # the common case, at C speed
+                if not rng:
                     continue
+                live = self._unstored_ids(st, g, rng)
+                if allocated.isdisjoint(live):   # the common case: set against set, at C speed
+                    continue
+                ids = st.block_ids[g]
                 for i in rng:
                     if ids[i] in allocated:
                         ids[i] = NULL_BLOCK_ID
+                live -= allocated   # every occurrence in the slice was zeroed
+
+    @staticmethod
+    def _unstored_ids(st: _ReqState, g: int, rng: range) -> set[int]:
+        """The ids of ``st.block_ids[g][rng]`` as a set, kept across steps.
+
+        While ``rng.start`` (``next_stored``) stays put the slice only grows at
+        its end (ids are appended) or has entries zeroed (the caller takes
+        those out): the set is extended by the new tail. A moved start or a
+        shorter slice (the ids were cleared at a lookup, which also drops the
+        set) makes it anew. So it always equals ``set(ids[rng])``, without
+        building that slice every step."""
+        cached = st.unstored[g]
+        if cached is not None:
+            start, stop, live = cached
+            if start == rng.start and stop <= rng.stop:
+                if stop < rng.stop:
+                    live.update(st.block_ids[g][stop : rng.stop])
+                    st.unstored[g] = (start, rng.stop, live)
+                return live
+        live = set(st.block_ids[g][rng.start : rng.stop])
+        st.unstored[g] = (rng.start, rng.stop, live)
+        return live
 
     def store_idle(self, req_id: str, tokens_after_step: int) -> bool:
         """True when :meth:`build_store_job` would find nothing to offer for
@@ -785,6 +827,11 @@ class OffloadingScheduler:
         if tokens_after_step is not None:
             if st.store_quiet:
                 return None
+            pin = st.offer_pin
+            if pin is not None and self._offloadable(st, tokens_after_step) >= pin:
+                self._refresh_keys(st)
+                self.store_rejections += 1     # the offer the pin stands for, refused
+                return None
             if self._no_chunk_due(st, tokens_after_step):
                 self._check_quiet(st)   # as the path below does when nothing is offered
                 return None
@@ -794,11 +841,7 @@ class OffloadingScheduler:
             tokens_after_step = self.profile.finished_store_tokens(req.num_prompt_tokens, req.num_tokens)
         tokens = self._offloadable(st, tokens_after_step)
         if self.cpu.never_stores:   # a 0-slot cache: every offer is refused; only whether one is made counts
-            if self._offers_any(st, tokens):
-                self.store_rejections += 1
-            else:
-                self._advance(st, tokens)
-                self._check_quiet(st)
+            self._refuse_offer(st, tokens)
             return None
         offered, ranges = self._offer_chunks(st, tokens)
         if not offered:
@@ -845,12 +888,35 @@ class OffloadingScheduler:
                 offered.extend(self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g]))
         return offered, ranges
 
-    def _offers_any(self, st: _ReqState, tokens: int) -> bool:
-        """``bool(self._offer_chunks(st, tokens)[0])``, stopping at the first
-        offered chunk (a 0-slot cache refuses every offer, so nothing else of
-        the offer matters). Full-attention groups are asked first where the
-        order cannot matter (the profile caps storable chunks by keys, so no
-        group's scan can raise)."""
+    def _refuse_offer(self, st: _ReqState, tokens: int) -> None:
+        """A 0-slot cache's store step: count the offer, if one is made (and pin
+        a full-attention group's, see :meth:`_offering_group`), or move on."""
+        g = self._offering_group(st, tokens)
+        if g is None:
+            self._advance(st, tokens)
+            self._check_quiet(st)
+            return
+        self.store_rejections += 1
+        pins = self._w[g] is None and not self.eagle[g] and self.profile.caps_storable_by_keys
+        if pins and not st.finished:
+            st.offer_pin = tokens
+
+    def _offering_group(self, st: _ReqState, tokens: int) -> int | None:
+        """The group of the first chunk :meth:`_offer_chunks` would offer (None:
+        ``_offer_chunks(st, tokens)[0]`` is empty), stopping there (a 0-slot
+        cache refuses every offer, so nothing else of the offer matters).
+        Full-attention groups are asked first where the order cannot matter (the
+        profile caps storable chunks by keys, so no group's scan can raise).
+
+        Why a full-attention group's offer pins (``offer_pin``): its storable
+        count only grows with the tokens, the ids and the keys (all only
+        appended to until the next lookup, which drops the pin); its
+        ``next_stored`` moves only when nothing is offered or a store is made
+        (never, on a 0-slot cache); its ids are never zeroed (only window
+        groups' are). So with at least as many tokens it offers again, and it
+        is asked before any window group. EAGLE groups (whose storable count
+        depends on decoding and finishing) and profiles that do not cap by
+        keys (whose window scans may raise first) do not pin."""
         prompt_tokens = self._offloadable(st, st.req.num_prompt_tokens)
         order = sorted(range(len(self._groups)), key=lambda g: self._w[g] is not None) \
             if self.profile.caps_storable_by_keys else range(len(self._groups))
@@ -863,8 +929,8 @@ class OffloadingScheduler:
             if len(keys) != len(last_ids):
                 self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g])   # raises, as there
             if any(bid != NULL_BLOCK_ID and (mask is None or mask[k]) for k, bid in enumerate(last_ids)):
-                return True
-        return False
+                return g
+        return None
 
     def _reach(self, st: _ReqState, g: int, start: int, n: int, prompt_chunks: int
                ) -> tuple[list[OffloadKey], list[int], list[bool] | None]:
@@ -990,6 +1056,7 @@ class OffloadingScheduler:
             st.jobs.discard(job_id)
             if st.finished and not st.jobs:
                 del self._reqs[job.req_id]
+                self._holding.pop(job.req_id, None)
         return job.req_id, job.is_store
 
     def request_finished(self, req_id: str) -> None:
@@ -1017,3 +1084,4 @@ class OffloadingScheduler:
         st = self._reqs.get(req_id)
         if st is not None and st.finished and not st.jobs:
             del self._reqs[req_id]
+            self._holding.pop(req_id, None)
