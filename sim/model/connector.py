@@ -756,8 +756,9 @@ class OffloadingScheduler:
         its end (ids are appended) or has entries zeroed (the caller takes
         those out): the set is extended by the new tail. A moved start or a
         shorter slice (the ids were cleared at a lookup, which also drops the
-        set) makes it anew. So it always equals ``set(ids[rng])``, without
-        building that slice every step."""
+        set) makes it anew. So it always equals ``set(ids[rng])`` but for the
+        null id (zeroed entries are not added; the step's allocated ids never
+        hold it), without building that slice every step."""
         cached = st.unstored[g]
         if cached is not None:
             start, stop, live = cached
@@ -1055,8 +1056,7 @@ class OffloadingScheduler:
         if st is not None:
             st.jobs.discard(job_id)
             if st.finished and not st.jobs:
-                del self._reqs[job.req_id]
-                self._holding.pop(job.req_id, None)
+                self._forget(job.req_id)
         return job.req_id, job.is_store
 
     def request_finished(self, req_id: str) -> None:
@@ -1083,5 +1083,8 @@ class OffloadingScheduler:
         """Forget a finished request once it has no job in flight."""
         st = self._reqs.get(req_id)
         if st is not None and st.finished and not st.jobs:
-            del self._reqs[req_id]
-            self._holding.pop(req_id, None)
+            self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        del self._reqs[req_id]
+        self._holding.pop(req_id, None)
