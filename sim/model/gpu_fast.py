@@ -86,6 +86,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import takewhile
 from typing import overload
 
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError
@@ -702,13 +703,9 @@ class GpuFastCache:
 
     def _prefix_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
         hpb = self._hpb[g]
-        cg = self.pool._caches[g]
-        i = 0
-        for h in block_hashes[hpb - 1 : n * hpb : hpb]:
-            if h not in cg:
-                break
-            i += 1
-        return i * self._bs[g]
+        # the leading cached blocks, counted at C speed
+        run = takewhile(self.pool._caches[g].__contains__, block_hashes[hpb - 1 : n * hpb : hpb])
+        return len(list(run)) * self._bs[g]
 
     def _last_block_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
         for i in range(n - 1, -1, -1):
@@ -731,13 +728,16 @@ class GpuFastCache:
     def _window_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:
         bs = self._bs[g]
         empty = self._empty_boundary(g, n)
+        hpb = self._hpb[g]
+        cached = self.pool._caches[g].__contains__
+        hashes = block_hashes[hpb - 1 : n * hpb : hpb]   # block i's hash is hashes[i]
         i = n - 1
         while i >= empty:
-            if not self._is_cached(g, block_hashes, i):
+            if not cached(hashes[i]):
                 i -= 1
                 continue
             j = i
-            while j > 0 and self._is_cached(g, block_hashes, j - 1):
+            while j > 0 and cached(hashes[j - 1]):
                 j -= 1
             if self.hit_first(g, (i + 1) * bs) >= j:
                 return (i + 1) * bs

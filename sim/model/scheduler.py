@@ -447,6 +447,13 @@ class AttendedContext:
         #: bytes per token over all groups (divides attended bytes into
         #: full-attention token equivalents)
         self.bytes_per_token = sum(bpt for _, _, bpt in self.terms)
+        #: the distinct (kind, span) of the groups: bytes per token summed, the groups' indices
+        distinct: dict[tuple[GroupKind, int], tuple[int, list[int]]] = {}
+        for g, (kind, span, bpt) in enumerate(self.terms):
+            total, groups = distinct.get((kind, span), (0, []))
+            distinct[kind, span] = (total + bpt, [*groups, g])
+        self._distinct = [(kind, span, bpt, tuple(groups))
+                          for (kind, span), (bpt, groups) in distinct.items()]
 
     def attended(self, c: int) -> int:
         """KV bytes one request reads with ``c`` tokens of context."""
@@ -456,7 +463,34 @@ class AttendedContext:
         return total
 
     def load(self, work: Sequence[tuple[int, int, bool]]) -> StepLoad:
-        """The step load of ``(tokens computed before, new tokens, decodes)`` per scheduled request."""
+        """The step load of ``(tokens computed before, new tokens, decodes)`` per scheduled
+        request: :meth:`load_reference`'s exact integers, one pass over the batch per
+        distinct (kind, span) of the layout (equal groups share their sums)."""
+        decode = sum(1 for _, _, d in work if d)
+        prefill = sum(c for _, c, d in work if not d)
+        attended = 0
+        pairs = [0] * len(self.terms)
+        for kind, span, bpt, groups in self._distinct:
+            if kind is _FULL_KIND:
+                a = sum(p + c for p, c, _ in work)
+                q = sum(c * p + c * (c + 1) // 2 for p, c, _ in work if c > 0)
+            elif kind is _CHUNKED_KIND:
+                a = sum(p + c - ((p + c - 1) // span) * span for p, c, _ in work if p + c > 0)
+                q = sum(attention_pairs(kind, span, p, c) for p, c, _ in work if c > 0)
+            elif kind is _MAMBA_KIND:
+                a = sum(min(p + c, span) for p, c, _ in work)
+                q = sum(c for _, c, _ in work if c > 0)
+            else:                                       # sliding window
+                a = sum(min(p + c, span) for p, c, _ in work)
+                q = sum(span * c if p + 1 >= span else attention_pairs(kind, span, p, c)
+                        for p, c, _ in work if c > 0)
+            attended += a * bpt
+            for g in groups:
+                pairs[g] = q
+        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs))
+
+    def load_reference(self, work: Sequence[tuple[int, int, bool]]) -> StepLoad:
+        """:meth:`load`, one request and one group at a time (the reference)."""
         prefill = decode = attended = 0
         terms = self.terms
         pairs = [0] * len(terms)

@@ -4,6 +4,9 @@ preemption, async loads, lookup deferral, rejection, the decode fast-forward."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sim.io.workload import chain_hash
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import StepCostModel
@@ -361,3 +364,25 @@ def test_admitting_a_request_fences_the_blocks_it_hit() -> None:
     assert [r.req_id for r in plan.admitted] == ["b"] and b.gpu_hit_tokens == 64
     assert sched.gpu.block_ids("b") == [[1, 2, 3, 4, 11], [0, 0, 7, 8, 12]]
     assert plan.flush == frozenset({0})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 512), st.data())
+def test_attended_context_load_equals_the_reference(window: int, chunk: int, data: st.DataObject) -> None:
+    """The step load summed per distinct (kind, span) equals the per-request,
+    per-group reference exactly: every kind, windows and chunks below and above
+    the contexts, zero-token entries, and two equal window groups sharing sums."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=16 * 7),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=window, bytes_per_block=16 * 3),
+                        GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=chunk * 16,
+                                  bytes_per_block=16 * 2),
+                        GroupSpec(GroupKind.MAMBA, 32, bytes_per_block=32 * 5),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=window, bytes_per_block=16 * 4)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    edges = [window, chunk * 16, 32]                 # contexts near a window, a chunk, a state block
+    near = st.sampled_from(edges).flatmap(lambda e: st.integers(max(0, e - 3), e + 3))
+    work = data.draw(st.lists(st.tuples(st.one_of(st.integers(0, 300_000), near),
+                                        st.integers(0, 9_000) | st.integers(0, 3), st.booleans()),
+                              max_size=60))
+    ctx = AttendedContext(layout)
+    assert ctx.load(work) == ctx.load_reference(work)
