@@ -49,6 +49,7 @@ Invariants
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -224,6 +225,8 @@ class _Job:
     fenced: tuple[int, ...] = ()
     #: full-attention blocks, fenced once the request has finished
     deferred: tuple[int, ...] = ()
+    #: whether ``deferred`` is fenced (the request finished)
+    deferred_fenced: bool = False
 
 
 @dataclass(slots=True)
@@ -300,8 +303,9 @@ class OffloadingScheduler:
         self._holding: dict[str, _ReqState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count()
-        #: block id -> pending store jobs reading it (flush fences, spec §7.6)
-        self.block_fences: dict[int, set[int]] = {}
+        #: block id -> how many pending store jobs read it (flush fences, spec
+        #: §7.6; which jobs: :meth:`stores_reading`)
+        self.block_fences: dict[int, int] = {}
         #: ``prepare_store`` answered "no room" (the chunks are offered again later)
         self.store_rejections = 0
         # hot-path tables
@@ -992,14 +996,35 @@ class OffloadingScheduler:
         full-attention blocks are fenced at once). Returns ``flush_now``:
         whether the store reads a block re-allocated this step."""
         st.jobs.add(job_id)
-        self._jobs[job_id] = _Job(req_id, keys, True, tuple(src.fenced), tuple(src.deferred))
-        for bid in src.fenced:
-            self.block_fences.setdefault(bid, set()).add(job_id)
+        job = self._jobs[job_id] = _Job(req_id, keys, True, tuple(src.fenced), tuple(src.deferred))
+        self._fence(job.fenced)
         if not st.finished:
             return False
-        for bid in src.deferred:
-            self.block_fences.setdefault(bid, set()).add(job_id)
+        self._fence_deferred(job)
         return any(bid in allocated for bid in src.deferred)
+
+    def _fence_deferred(self, job: _Job) -> None:
+        job.deferred_fenced = True
+        self._fence(job.deferred)
+
+    def _fence(self, blocks: Sequence[int]) -> None:
+        """Count one more job reading each of ``blocks`` (distinct ids: a job's blocks
+        are distinct slots of its request's block tables), at C speed."""
+        fences = self.block_fences
+        fences.update(zip(blocks, map((1).__add__, map(fences.get, blocks, repeat(0))), strict=True))
+
+    def _unfence(self, blocks: Sequence[int]) -> None:
+        """One job fewer reads each of ``blocks``."""
+        fences = self.block_fences
+        if all(map((1).__eq__, map(fences.__getitem__, blocks))):   # the usual case, in C
+            deque(map(fences.__delitem__, blocks), maxlen=0)
+            return
+        for bid in blocks:
+            n = fences[bid]
+            if n == 1:
+                del fences[bid]
+            else:
+                fences[bid] = n - 1
 
     def _store_horizon(self, st: _ReqState, g: int, n: int, prompt_chunks: int) -> int | None:
         if self.eagle[g]:
@@ -1020,11 +1045,11 @@ class OffloadingScheduler:
 
     def stores_reading(self, block_ids: set[int]) -> set[int]:
         """Pending store jobs that read any of ``block_ids`` (to flush, spec §7.6)."""
-        out: set[int] = set()
-        fences = self.block_fences
-        for bid in fences.keys() & block_ids:   # the fenced ones only, found at C speed
-            out |= fences[bid]
-        return out
+        hit = self.block_fences.keys() & block_ids    # the fenced ones, found at C speed
+        if not hit:
+            return set()
+        return {j for j, job in self._jobs.items() if job.is_store and (
+            not hit.isdisjoint(job.fenced) or (job.deferred_fenced and not hit.isdisjoint(job.deferred)))}
 
     def store_jobs_of(self, req_id: str) -> set[int]:
         st = self._reqs.get(req_id)
@@ -1041,13 +1066,9 @@ class OffloadingScheduler:
         job = self._jobs.pop(job_id)
         if job.is_store:
             self.cpu.complete_store(job.keys)
-            fences = self.block_fences
-            for bid in (*job.fenced, *job.deferred):
-                jobs = fences.get(bid)
-                if jobs is not None:
-                    jobs.discard(job_id)
-                    if not jobs:
-                        del fences[bid]
+            self._unfence(job.fenced)
+            if job.deferred_fenced:
+                self._unfence(job.deferred)
         else:
             self.cpu.complete_load(job.keys)
             if self.being_loaded is not None:
@@ -1068,9 +1089,8 @@ class OffloadingScheduler:
         st.store_quiet = False
         for j in st.jobs:
             job = self._jobs[j]
-            if job.is_store:
-                for bid in job.deferred:
-                    self.block_fences.setdefault(bid, set()).add(j)
+            if job.is_store and not job.deferred_fenced:
+                self._fence_deferred(job)
 
     def finish_recency(self, req_id: str) -> None:
         """The request's final stores are prepared: the CPU cache commits its
