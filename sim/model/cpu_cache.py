@@ -630,7 +630,7 @@ class ArcPolicy:
     which (``arc_t1_last_resort``).
     """
 
-    __slots__ = ("b1", "b2", "capacity", "p", "t1", "t1_last_resort", "t2")
+    __slots__ = ("_listed", "b1", "b2", "capacity", "p", "t1", "t1_last_resort", "t2")
 
     def __init__(self, capacity: int, t1_last_resort: bool = True) -> None:
         self.capacity = capacity
@@ -641,22 +641,27 @@ class ArcPolicy:
         self.t2: OrderedDict[OffloadKey, _Chunk] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        #: the keys of the four lists (they are disjoint): a touch skips the
+        #: others at C speed (most keys of a touch are in no list)
+        self._listed: set[OffloadKey] = set()
 
     def insert(self, key: OffloadKey, chunk: _Chunk) -> None:
         """New chunks enter ``t1`` at the newest end and stop being ghosts."""
         self.t1[key] = chunk
         self.b1.pop(key, None)
         self.b2.pop(key, None)
+        self._listed.add(key)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget ``key`` without leaving a ghost."""
         if self.t1.pop(key, None) is None:
             self.t2.pop(key, None)
+        self._listed.discard(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Promote, refresh or adapt for each key, walking ``keys`` from last to first."""
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        for key in reversed(keys):
+        for key in filter(self._listed.__contains__, reversed(keys)):
             chunk = t1.pop(key, None)
             if chunk is not None:
                 if chunk.ref < 0:
@@ -712,7 +717,7 @@ class ArcPolicy:
             victims.append(key)
         for ghosts in (self.b1, self.b2):
             for _ in range(len(ghosts) - self.capacity):
-                ghosts.popitem(last=False)
+                self._listed.discard(ghosts.popitem(last=False)[0])
         return victims
 
     def _choose(self, t1_turn: bool, t1_cursor: Iterator[tuple[OffloadKey, _Chunk]],
@@ -743,6 +748,7 @@ class ArcPolicy:
         self.t2.clear()
         self.b1.clear()
         self.b2.clear()
+        self._listed.clear()
         self.p = 0.0
 
     def problems(self, chunks: Mapping[OffloadKey, _Chunk]) -> list[str]:
@@ -766,6 +772,8 @@ class ArcPolicy:
             found.append(f"ARC ghost lists over capacity: {len(self.b1)}, {len(self.b2)}")
         if not 0.0 <= self.p <= self.capacity:
             found.append(f"ARC target p={self.p} outside [0, {self.capacity}]")
+        if self._listed != t1 | t2 | ghosts:
+            found.append("ARC: the listed-key index differs from t1 | t2 | b1 | b2")
         return found
 
 
