@@ -12,12 +12,13 @@ changes it measures are speed-only).
 
 Each point is the sweep's base scenario (the sweep file less its ``[sweep]``
 and ``[smoke]`` tables) with the point's model and tensor parallelism, the
-Mooncake conversation trace (``$KVSIM_TRACES`` or ``../shared/traces``), a
-64 GiB CPU cache and the point's policy.
+Mooncake conversation trace, a 64 GiB CPU cache and the point's policy. The
+trace is found as ``kvsim run`` finds it (``$KVSIM_TRACES``, then the fetch
+cache: ``kvsim trace fetch mooncake-conversation``).
 
     python benchmarks/bench_whatif_points.py [--base REV] [--limit-scale X] [--point NAME ...]
 
-Exit status 1 when an output differs.
+Exit status 1 when an output differs, 2 on bad input (no trace, an unknown commit).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pathlib import Path
 
 import tomli_w
 
+from sim.errors import InputError
+from sim.io.traces import resolve_trace
+
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "scenarios" / "whatif" / "models-x-traces-x-cpu.toml"
 
@@ -44,11 +48,6 @@ POINTS = {
     "gpt-oss-lru": ("gpt-oss-120b", 1, "lru", 1500),
     "gpt-oss-arc": ("gpt-oss-120b", 1, "arc", 1500),
 }
-
-
-def _traces() -> Path:
-    env = os.environ.get("KVSIM_TRACES")
-    return Path(env) if env else ROOT.parent / "shared" / "traces"
 
 
 def base_scenario(folder: Path) -> Path:
@@ -72,7 +71,7 @@ def point_args(name: str, scale: float) -> list[str]:
 
 
 def start(tree: Path, scenario: Path, args: list[str], out: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0", KVSIM_TRACES=str(_traces()))
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
     cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main())",
            "run", str(scenario), *args, "--out", str(out), "-q"]
     return subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -89,13 +88,20 @@ def main() -> int:
     ap.add_argument("--point", action="append", choices=sorted(POINTS), help="only these points (repeatable)")
     ap.add_argument("--limit-scale", type=float, default=1.0, help="scale the requests of every point")
     args = ap.parse_args()
-    if not (_traces() / "conversation_trace.jsonl").exists():
-        print(f"bench_whatif_points: the Mooncake conversation trace is not in {_traces()} "
-              "(set KVSIM_TRACES, or `kvsim trace fetch mooncake-conversation`)", file=sys.stderr)
+    try:
+        resolve_trace("mooncake-conversation")
+    except InputError as exc:
+        print(f"bench_whatif_points: {exc}", file=sys.stderr)
         return 2
-    sha = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    if rev.returncode != 0:
+        print(f"bench_whatif_points: --base {args.base!r} is not a commit of this repository",
+              file=sys.stderr)
+        return 2
+    sha = rev.stdout.strip()
     failed = False
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="kvsim-whatif-") as tmp:
         work = Path(tmp)
         tree = work / "base"
@@ -129,10 +135,18 @@ def main() -> int:
                 print(f"| {name} | {n:,} | {wall['base']:.1f} | {wall['new']:.1f} | "
                       f"{wall['base'] / wall['new']:.2f}x | {'yes' if same else 'NO'} |", flush=True)
         finally:
+            for p in procs.values():     # no run outlives the script (Ctrl-C, an error)
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait()
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False,
                            capture_output=True)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # the runs got the signal too; the worktree is removed on the way out
+        print("bench_whatif_points: interrupted", file=sys.stderr)
+        sys.exit(130)

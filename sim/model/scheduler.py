@@ -480,8 +480,8 @@ class AttendedContext:
             elif kind is _MAMBA_KIND:
                 a = sum(min(p + c, span) for p, c, _ in work)
                 q = sum(c for _, c, _ in work if c > 0)
-            else:                                       # sliding window
-                a = sum(min(p + c, span) for p, c, _ in work)
+            else:                                       # sliding window (a decode past the
+                a = sum(min(p + c, span) for p, c, _ in work)   # window: attention_pairs' span * c)
                 q = sum(span * c if p + 1 >= span else attention_pairs(kind, span, p, c)
                         for p, c, _ in work if c > 0)
             attended += a * bpt
