@@ -1,4 +1,5 @@
-"""GPU block accounting: the reference GpuKVCache against GpuFastCache.
+"""GPU block accounting: the reference GpuKVCache against GpuFastCache (with its
+per-block loops in Python and, where the install built them, compiled).
 
 Records the GPU-cache calls a vLLM-like scheduler makes for the first N
 requests of the Mooncake conversation trace (or, without the trace, a
@@ -11,9 +12,9 @@ at most 256 running requests, decode steps skipped while the request's
 thresholds say nothing changes (as ``sim.model.scheduler`` does), recompute
 preemption from the end of the batch when the pool is short. Then replays
 the recorded stream (find_hit, allocate_new, allocate_more, commit,
-thresholds, free) through both implementations, checks that every call
-returns the same thing, and prints calls/s of each, the ratio, requests/s and
-a cProfile top-10 of the fast one.
+thresholds, free) through each implementation, checks that every call
+returns the same thing, and prints calls/s of each, the ratio to the
+reference, requests/s and a cProfile top-10 of the fast one.
 
 Usage: python benchmarks/bench_gpu_pool.py [--requests N] [--gpu-blocks B] [--synthetic]
 """
@@ -27,13 +28,14 @@ import pstats
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
 from sim.io.traces import resolve_trace
+from sim.model import gpu_fast
 from sim.model.gpu_cache import GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
@@ -189,6 +191,16 @@ def replay(gpu: Any, ops: list[Op], hashes: dict[str, Sequence[int]], out: list[
             out.append((res, gpu.pool.num_free, gpu.pool.num_cached))
 
 
+def fast_cache(gpu_blocks: int, compiled: bool) -> GpuFastCache:
+    """A GpuFastCache running the compiled per-block loops or its Python ones."""
+    loops = gpu_fast._poolops
+    gpu_fast._poolops = loops if compiled else None
+    try:
+        return GpuFastCache(SPEC6, gpu_blocks)
+    finally:
+        gpu_fast._poolops = loops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -209,26 +221,36 @@ def main() -> None:
           f"mean prompt {sum(r.prompt for r in reqs) / len(reqs):.0f} tokens, spec §6 layout, "
           f"{args.gpu_blocks} GPU blocks; {len(ops)} calls {kinds} recorded in "
           f"{time.perf_counter() - t0:.1f} s")
+    builds: dict[str, Callable[[], Any]] = {
+        "reference GpuKVCache": lambda: GpuKVCache(SPEC6, args.gpu_blocks),
+        "fast, Python loops": lambda: fast_cache(args.gpu_blocks, compiled=False),
+    }
+    if gpu_fast._poolops is not None:
+        builds["fast, compiled loops"] = lambda: fast_cache(args.gpu_blocks, compiled=True)
+    else:
+        print("the compiled pool loops (sim/model/_poolops.c) are not built here: Python loops only")
     if not args.no_check:
-        a: list[Any] = []
-        b: list[Any] = []
-        replay(GpuKVCache(SPEC6, args.gpu_blocks), ops, hashes, a)
-        fast = GpuFastCache(SPEC6, args.gpu_blocks)
-        replay(fast, ops, hashes, b)
-        bad = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        results: list[list[Any]] = []
+        for build in builds.values():
+            out: list[Any] = []
+            gpu = build()
+            replay(gpu, ops, hashes, out)
+            if isinstance(gpu, GpuFastCache):
+                gpu.pool.check_invariants()
+            results.append(out)
+        bad = next((i for i, calls in enumerate(zip(*results, strict=True))
+                    if any(c != calls[0] for c in calls[1:])), None)
         print("identical results, call by call:", bad is None if bad is None else f"NO, first at call {bad}")
-        fast.pool.check_invariants()
     times = {}
-    for name, cls in (("reference GpuKVCache", GpuKVCache), ("fast GpuFastCache", GpuFastCache)):
-        gpu = cls(SPEC6, args.gpu_blocks)
+    for name, build in builds.items():
+        gpu = build()
         t = time.perf_counter()
         replay(gpu, ops, hashes)
         times[name] = dt = time.perf_counter() - t
-        print(f"{name:22s} {dt:8.3f} s  {len(ops) / dt:12,.0f} calls/s  {len(reqs) / dt:10,.0f} requests/s")
-    ref_t, fast_t = times.values()
-    print(f"speedup: {ref_t / fast_t:.1f}x")
+        print(f"{name:22s} {dt:8.3f} s  {len(ops) / dt:12,.0f} calls/s  {len(reqs) / dt:10,.0f} requests/s  "
+              f"{times['reference GpuKVCache'] / dt:5.2f}x the reference")
     prof = cProfile.Profile()
-    gpu = GpuFastCache(SPEC6, args.gpu_blocks)
+    gpu = fast_cache(args.gpu_blocks, compiled=gpu_fast._poolops is not None)
     prof.enable()
     replay(gpu, ops, hashes)
     prof.disable()

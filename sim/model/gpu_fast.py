@@ -39,6 +39,18 @@ What it represents differently from the reference (:mod:`sim.model.gpu_cache`)
       handed-out blocks are in runs of length 1, most runs are shorter than
       32), and per-run bookkeeping cost more than it saved.
 
+Compiled loops (optional)
+    The three loops that visit one block at a time (:meth:`FastBlockPool.get_new_blocks`
+    handing blocks out, :meth:`FastBlockPool.free`, :meth:`FastBlockPool.commit_ids`)
+    also exist in C (``sim/model/_poolops.c``, built by ``pip install`` where a C
+    compiler is at hand; ``setup.py`` marks it optional). They read and write the
+    same lists, bytearrays and dicts as the Python loops, block by block in the
+    same order, and call back into this module for the rare duplicate-hash case.
+    Without the build, or with ``KVSIM_PURE_POOL=1``, the Python loops run.
+    ``tests/model/test_gpu_fast.py`` runs its whole differential test once with
+    each (it fails in CI if the build is missing); ``benchmarks/bench_gpu_pool.py``
+    times them side by side.
+
 Why the decisions are the same
     Every operation visits the blocks in the order the reference visits them
     and applies the same per-block rule (ref count up or down, queue at 0,
@@ -84,13 +96,23 @@ Invariants (:meth:`FastBlockPool.check_invariants`)
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import takewhile
+from types import ModuleType
 from typing import overload
 
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError
 from sim.model.layout import GroupKind, Layout, cdiv
+
+_poolops: ModuleType | None
+try:  # the per-block loops compiled (sim/model/_poolops.c), where the install built them
+    from sim.model import _poolops
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _poolops = None
+if os.environ.get("KVSIM_PURE_POOL"):  # the Python loops below, whatever was built
+    _poolops = None
 
 __all__ = ["BlockView", "FastAllocation", "FastBlockPool", "GpuFastCache"]
 
@@ -181,6 +203,8 @@ class FastBlockPool:
         self._nfree = num_blocks - 1
         #: blocks whose hash was dropped because they were reused
         self.num_evicted = 0
+        #: the compiled per-block loops, or None (the Python loops below)
+        self._ops = _poolops
 
     # -- counters ---------------------------------------------------------------------
 
@@ -297,6 +321,10 @@ class FastBlockPool:
             return [self._pop_one()]
         ids = self._pop_head(n)
         self._nfree -= n
+        if self._ops is not None:
+            self.num_evicted += self._ops.take(ids, self.ref, self.bhash, self.incache, self.bgrp,
+                                               self.isdup, self._caches, self._dups, self._uncache)
+            return ids
         ref, bhash, incache, bgrp, isdup = self.ref, self.bhash, self.incache, self.bgrp, self.isdup
         caches, dups = self._caches, self._dups
         evicted = 0
@@ -379,6 +407,9 @@ class FastBlockPool:
         0 go to the tail of the free queue, keeping their hash for reuse, or, with
         no hash (or no prefix caching), to its head, to be reused first (vLLM's
         ``free_blocks``)."""
+        if self._ops is not None:
+            self._free_compiled(self._ops, ids)
+            return
         ref, bhash = self.ref, self.bhash
         queued: list[int] = []
         first: list[int] = []
@@ -405,6 +436,20 @@ class FastBlockPool:
             if queued:
                 self._enqueue(queued)
 
+    def _free_compiled(self, ops: ModuleType, ids: Iterable[int]) -> None:
+        """:meth:`free` by the compiled loop: the same blocks to the same ends, in order."""
+        queued: list[int] = []
+        first: list[int] = []
+        try:
+            bad = ops.release(ids, self.ref, self.bhash, first, queued if self.enable_caching else first)
+        finally:
+            if first:
+                self._prepend(first)
+            if queued:
+                self._enqueue(queued)
+        if bad >= 0:
+            raise GpuInvariantError(f"double free of block {bad}")
+
     def _prepend(self, blocks: list[int]) -> None:
         """Put ``blocks`` at the head of the free queue, in order (the first is handed out first)."""
         q = self._queue
@@ -429,6 +474,10 @@ class FastBlockPool:
         group ``g``, skipping null and already hashed blocks; the first block
         committed under a hash becomes its prefix-cache entry."""
         bhash, bgrp, incache = self.bhash, self.bgrp, self.incache
+        if self._ops is not None:
+            self._ops.commit(ids, hashes, bhash, bgrp, incache,
+                             self._group_cache(g) if self.enable_caching else None, g, self._add_dup)
+            return
         if self.enable_caching:
             # one probe of the (large) cache dict per block: ``b`` has no hash, so it is
             # no entry, and ``setdefault`` returns ``b`` exactly when it became one

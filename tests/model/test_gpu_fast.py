@@ -22,17 +22,54 @@ does the same at a realistic scale.
 
 from __future__ import annotations
 
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sim.model import gpu_fast
 from sim.model.gpu_cache import GpuInvariantError, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from tests.helpers import SPEC6, cla, fa, quiet_thresholds_from_scratch, swa
+
+# -- both builds of the pool's per-block loops ------------------------------------------
+
+COMPILED: ModuleType | None
+try:
+    from sim.model import _poolops
+
+    COMPILED = _poolops
+except ImportError:  # pragma: no cover - an install without a C compiler
+    COMPILED = None
+
+
+@pytest.fixture(autouse=True, scope="module", params=["compiled", "python"])
+def pool_loops(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test of this file runs twice: with the pool's per-block loops compiled
+    (``sim/model/_poolops.c``, what an install with a C compiler runs) and with
+    the Python loops of ``gpu_fast.py`` (the fallback). Module-scoped, so that
+    hypothesis' examples share it; pools read the choice when they are built."""
+    if request.param == "compiled" and COMPILED is None:
+        if os.environ.get("CI"):
+            pytest.fail("sim.model._poolops is not built in CI (pip install -e . compiles it)")
+        pytest.skip("sim.model._poolops not built here")
+    saved = gpu_fast._poolops
+    gpu_fast._poolops = COMPILED if request.param == "compiled" else None
+    try:
+        yield request.param
+    finally:
+        gpu_fast._poolops = saved
+
+
+def test_pools_run_the_chosen_loops(pool_loops: str) -> None:
+    pool = GpuFastCache(Layout.of([fa(4)], tokens_per_hash=4), 8).pool
+    assert pool._ops is (COMPILED if pool_loops == "compiled" else None)
+
 
 # -- the pair of caches ------------------------------------------------------------------
 
