@@ -38,7 +38,7 @@ import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 from sim.model.scheduler import SchedulerStats
 
@@ -326,7 +326,13 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
 
 
 class Sink(Protocol):
-    """Receives column batches of one table at a time."""
+    """Receives column batches of one table at a time.
+
+    A sink whose class sets ``takes_buffers = True`` gets the non-null number
+    columns as the recorder's typed arrays (``array('q')`` for int, ``array('d')``
+    for float) instead of lists: the same values, without a Python object per
+    value (:class:`sim.io.results.ParquetSink` hands them to Arrow as they are).
+    """
 
     def write(self, table: str, columns: dict[str, list[Any]]) -> None: ...
 
@@ -361,7 +367,8 @@ class Recorder:
     Rows are buffered column by column, non-null numbers in typed arrays (8
     bytes a value instead of a Python object and a tuple slot), so a batch of
     ``batch_rows`` rows costs a few MB whatever the run's length; a flush hands
-    the sink plain lists (the same values, so the same Parquet bytes).
+    the sink plain lists (the same values, so the same Parquet bytes), or the
+    typed arrays to a sink that takes them (``takes_buffers``, see :class:`Sink`).
 
     Args:
         sink: where batches go.
@@ -376,6 +383,8 @@ class Recorder:
         self._cols: dict[str, list[array[Any] | list[Any]]] = {t: self._empty(t) for t in TABLES}
         self._count: dict[str, int] = dict.fromkeys(TABLES, 0)
         self.rows_written: dict[str, int] = dict.fromkeys(TABLES, 0)
+        #: the sink takes the typed arrays themselves (no list of Python numbers per flush)
+        self._buffers = bool(getattr(sink, "takes_buffers", False))
 
     def _empty(self, table: str) -> list[array[Any] | list[Any]]:
         return [array(code) if (code := _BUFFER_CODE.get(ty)) else [] for ty in self._types[table]]
@@ -395,8 +404,12 @@ class Recorder:
         n = self._count[table]
         if not n:
             return
-        cols = {name: col.tolist() if isinstance(col, array) else col
-                for name, col in zip(self._names[table], self._cols[table], strict=True)}
+        cols: dict[str, list[Any]]
+        if self._buffers:   # typed arrays stand in for lists of the same numbers (see Sink)
+            cols = dict(zip(self._names[table], cast("list[list[Any]]", self._cols[table]), strict=True))
+        else:
+            cols = {name: col.tolist() if isinstance(col, array) else col
+                    for name, col in zip(self._names[table], self._cols[table], strict=True)}
         self._cols[table] = self._empty(table)
         self._count[table] = 0
         self.sink.write(table, cols)

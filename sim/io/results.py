@@ -62,6 +62,7 @@ import os
 import re
 import shutil
 import tomllib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,16 @@ def arrow_schema(table: str) -> Any:
     return pa.schema(fields)
 
 
+def _arrow_column(values: Any, kind: Any) -> Any:
+    """One column as an Arrow array of type ``kind``: a typed ``array`` of int64 or
+    float64 values (no nulls) is wrapped without a copy, anything else converted."""
+    if isinstance(values, array):
+        if (values.typecode, kind) in (("q", pa.int64()), ("d", pa.float64())):
+            return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
+        values = values.tolist()
+    return pa.array(values, type=kind)
+
+
 class ParquetSink:
     """Streams column batches to ``<folder>/<table>.parquet`` (a :class:`~sim.engine.metrics.Sink`).
 
@@ -149,12 +160,16 @@ class ParquetSink:
             self._writers[table] = w
         return w
 
+    #: the recorder's typed number columns come as they are (``array('q')`` / ``array('d')``)
+    takes_buffers = True
+
     def write(self, table: str, columns: dict[str, list[Any]]) -> None:
         """Append one batch of rows (one row group)."""
         if self._closed:
             raise RuntimeError("ParquetSink is closed")
         schema = arrow_schema(table)
-        batch = pa.RecordBatch.from_pydict({n: columns[n] for n in schema.names}, schema=schema)
+        batch = pa.RecordBatch.from_arrays([_arrow_column(columns[f.name], f.type) for f in schema],
+                                           schema=schema)
         try:
             self._writer(table).write_batch(batch)
         except OSError as exc:
