@@ -193,12 +193,8 @@ def replay(gpu: Any, ops: list[Op], hashes: dict[str, Sequence[int]], out: list[
 
 def fast_cache(gpu_blocks: int, compiled: bool) -> GpuFastCache:
     """A GpuFastCache running the compiled per-block loops or its Python ones."""
-    loops = gpu_fast._poolops
-    gpu_fast._poolops = loops if compiled else None
-    try:
+    with gpu_fast.pool_loops(compiled):
         return GpuFastCache(SPEC6, gpu_blocks)
-    finally:
-        gpu_fast._poolops = loops
 
 
 def main() -> None:
@@ -225,7 +221,7 @@ def main() -> None:
         "reference GpuKVCache": lambda: GpuKVCache(SPEC6, args.gpu_blocks),
         "fast, Python loops": lambda: fast_cache(args.gpu_blocks, compiled=False),
     }
-    if gpu_fast._poolops is not None:
+    if gpu_fast.COMPILED_LOOPS is not None:
         builds["fast, compiled loops"] = lambda: fast_cache(args.gpu_blocks, compiled=True)
     else:
         print("the compiled pool loops (sim/model/_poolops.c) are not built here: Python loops only")
@@ -250,7 +246,7 @@ def main() -> None:
         print(f"{name:22s} {dt:8.3f} s  {len(ops) / dt:12,.0f} calls/s  {len(reqs) / dt:10,.0f} requests/s  "
               f"{times['reference GpuKVCache'] / dt:5.2f}x the reference")
     prof = cProfile.Profile()
-    gpu = fast_cache(args.gpu_blocks, compiled=gpu_fast._poolops is not None)
+    gpu = fast_cache(args.gpu_blocks, compiled=gpu_fast.COMPILED_LOOPS is not None)
     prof.enable()
     replay(gpu, ops, hashes)
     prof.disable()

@@ -46,7 +46,8 @@ Compiled loops (optional)
     compiler is at hand; ``setup.py`` marks it optional). They read and write the
     same lists, bytearrays and dicts as the Python loops, block by block in the
     same order, and call back into this module for the rare duplicate-hash case.
-    Without the build, or with ``KVSIM_PURE_POOL=1``, the Python loops run.
+    Without the build, or with ``KVSIM_PURE_POOL=1``, the Python loops run;
+    :func:`pool_loops` picks either for the pools built inside it.
     ``tests/model/test_gpu_fast.py`` runs its whole differential test once with
     each (it fails in CI if the build is missing); ``benchmarks/bench_gpu_pool.py``
     times them side by side.
@@ -99,6 +100,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from itertools import takewhile
 from types import ModuleType
 from typing import overload
@@ -106,15 +108,31 @@ from typing import overload
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError
 from sim.model.layout import GroupKind, Layout, cdiv
 
-_poolops: ModuleType | None
-try:  # the per-block loops compiled (sim/model/_poolops.c), where the install built them
-    from sim.model import _poolops
-except ImportError:  # pragma: no cover - an install without a C compiler
-    _poolops = None
-if os.environ.get("KVSIM_PURE_POOL"):  # the Python loops below, whatever was built
-    _poolops = None
+__all__ = ["COMPILED_LOOPS", "BlockView", "FastAllocation", "FastBlockPool", "GpuFastCache", "pool_loops"]
 
-__all__ = ["BlockView", "FastAllocation", "FastBlockPool", "GpuFastCache"]
+#: the per-block loops compiled (sim/model/_poolops.c), where the install built them
+COMPILED_LOOPS: ModuleType | None
+try:
+    from sim.model import _poolops as COMPILED_LOOPS  # noqa: N812 -- a module kept as a constant
+except ImportError:  # pragma: no cover - an install without a C compiler
+    COMPILED_LOOPS = None
+#: the loops pools take when built: the compiled ones, unless KVSIM_PURE_POOL asks for Python's
+_poolops: ModuleType | None = None if os.environ.get("KVSIM_PURE_POOL") else COMPILED_LOOPS
+
+
+@contextmanager
+def pool_loops(compiled: bool) -> Iterator[None]:
+    """Pools built inside this block run the compiled per-block loops (``compiled``;
+    they must be built) or the Python ones (tests and benchmarks that compare them)."""
+    global _poolops  # noqa: PLW0603 -- the build-time choice, restored on exit
+    if compiled and COMPILED_LOOPS is None:
+        raise RuntimeError("sim.model._poolops is not built")
+    saved = _poolops
+    _poolops = COMPILED_LOOPS if compiled else None
+    try:
+        yield
+    finally:
+        _poolops = saved
 
 
 class BlockView:

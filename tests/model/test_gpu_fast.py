@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Sequence
-from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -39,13 +38,7 @@ from tests.helpers import SPEC6, cla, fa, quiet_thresholds_from_scratch, swa
 
 # -- both builds of the pool's per-block loops ------------------------------------------
 
-COMPILED: ModuleType | None
-try:
-    from sim.model import _poolops
-
-    COMPILED = _poolops
-except ImportError:  # pragma: no cover - an install without a C compiler
-    COMPILED = None
+COMPILED = gpu_fast.COMPILED_LOOPS
 
 
 @pytest.fixture(autouse=True, scope="module", params=["compiled", "python"])
@@ -58,12 +51,8 @@ def pool_loops(request: pytest.FixtureRequest) -> Iterator[str]:
         if os.environ.get("CI"):
             pytest.fail("sim.model._poolops is not built in CI (pip install -e . compiles it)")
         pytest.skip("sim.model._poolops not built here")
-    saved = gpu_fast._poolops
-    gpu_fast._poolops = COMPILED if request.param == "compiled" else None
-    try:
+    with gpu_fast.pool_loops(request.param == "compiled"):
         yield request.param
-    finally:
-        gpu_fast._poolops = saved
 
 
 def test_pools_run_the_chosen_loops(pool_loops: str) -> None:
