@@ -27,6 +27,7 @@ from typing import Any, Literal, NoReturn, cast
 from tqdm import tqdm
 
 import sim.startup  # noqa: F401 -- first: a signal during the heavy imports below ends in one line
+from sim.engine.gcpolicy import rare_collections
 from sim.errors import InputError
 from sim.io.check import evaluate, json_dumps, load_check_file, prepare_check, scenario_outcomes, summarize
 from sim.io.results import (
@@ -86,12 +87,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # thresholds cost a 5,000-scenario batch about 15 %: benchmarks/bench_decisions.py);
     # the caller's thresholds come back afterwards
     gc.freeze()
-    thresholds = gc.get_threshold()
-    gc.set_threshold(100_000, 1_000, 1_000)
-    try:
+    with rare_collections():
         return _check_items(args, path, batch, items)
-    finally:
-        gc.set_threshold(*thresholds)
 
 
 def _check_items(args: argparse.Namespace, path: Path, batch: bool, items: list[Any]) -> int:

@@ -89,6 +89,7 @@ from typing import Any, Literal
 
 import simpy
 
+from sim.engine.gcpolicy import rare_collections
 from sim.engine.links import LATE, At, CopyHooks, Link, Proc, TierLink, TierLinkModel, Transfer
 from sim.engine.metrics import (
     EventRow,
@@ -618,10 +619,11 @@ class Engine:
         return self.env.process(self._engine())
 
     def run(self) -> SimulationResult:
-        engine = self.start()
-        self.env.run(until=engine)
-        self.env.run()   # let lifecycles write their rows
-        return self.finish()
+        with rare_collections():    # the heap is large and long-lived (sim/engine/gcpolicy.py)
+            engine = self.start()
+            self.env.run(until=engine)
+            self.env.run()   # let lifecycles write their rows
+            return self.finish()
 
     def finish(self) -> SimulationResult:
         """The summary, the rows flushed, the end-of-run invariants (after :meth:`run`'s loop)."""
