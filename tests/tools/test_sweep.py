@@ -240,6 +240,25 @@ def test_twelve_points_tidy_table(local12: Path):
     assert res.run(t["run_id"][3]).path == local12 / t["run_dir"][3]
 
 
+def test_sweep_times_reads_every_points_wall_time(local12: Path):
+    """benchmarks/sweep_times.py joins the table with each point's run_info.json."""
+    script = str(ROOT / "benchmarks" / "sweep_times.py")
+    out = subprocess.run([sys.executable, script, str(local12), "--points"],
+                         capture_output=True, text=True, check=True).stdout
+    walls = [json.loads((local12 / d / "run_info.json").read_text())["wall_clock_s"]
+             for d in sim.load_sweep(local12).table["run_dir"]]
+    assert out.count("\n") >= 12 + 4
+    assert "12 points (" in out
+    assert f"{sum(walls) / 60:.1f} min of point wall time" in out
+
+
+def test_sweep_times_refuses_a_folder_without_a_sweep(tmp_path: Path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_times.py"), str(tmp_path)],
+                         check=False, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == f"sweep_times: {tmp_path}: not a sweep folder (no sweep.parquet)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [5, 8])
 def test_points_equal_kvsim_run_one_by_one(local12: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
