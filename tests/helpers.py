@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sim.model.connector import OffloadingScheduler
-from sim.model.cpu_cache import CpuChunkCache
+from sim.model.cpu_cache import CpuChunkCache, OffloadKey, offload_key
 from sim.model.gpu_cache import GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
 from sim.model.layout import GroupKind, GroupSpec, Layout
@@ -90,9 +90,9 @@ class World:
         self.gpu = GpuKVCache(self.layout, self.gpu_blocks)
         self.sched = OffloadingScheduler(self.layout, self.cpu, profile(self.logic))
 
-    def key(self, req: Req, g: int, j: int) -> tuple[int, int]:
+    def key(self, req: Req, g: int, j: int) -> OffloadKey:
         hpc = self.layout.hashes_per_chunk[g]
-        return (req.block_hashes[(j + 1) * hpc - 1], g)
+        return offload_key(req.block_hashes[(j + 1) * hpc - 1], g)
 
     def store(self, req: Req, g: int, chunks: range | list[int], complete: bool = True) -> None:
         keys = [self.key(req, g, j) for j in chunks]

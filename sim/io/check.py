@@ -71,7 +71,7 @@ from sim.io.schema import (
     at_most,
 )
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
-from sim.model.cpu_cache import CpuChunkCache
+from sim.model.cpu_cache import CpuChunkCache, key_parts, offload_key
 from sim.model.decision import MISSING, DecisionLayout, decide, decide_codes, decision_layout, state_code
 from sim.model.gpu_cache import Block, GpuKVCache
 from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError, cdiv
@@ -561,7 +561,7 @@ class CheckWorld:
         if isinstance(self.cpu, TieredCache):
             out["promotions"] = sorted([job.tier + 1, g, h // self.hashes_per_chunk[g] - 1]
                                        for job in self.cpu.take_jobs() if job.is_promotion
-                                       for h, g in job.keys)
+                                       for h, g in map(key_parts, job.keys))
         return out
 
     def _decide(self) -> dict[str, Any]:
@@ -613,8 +613,8 @@ def build_world(case: CheckCase, logic: Logic) -> CheckWorld:
     sched = OffloadingScheduler(layout, cpu, profile(logic), prefix_caching=case.prefix_caching)
     hashes = list(range(1, case.num_tokens // case.tokens_per_hash + 1))
 
-    def key(g: int, j: int) -> tuple[int, int]:
-        return hashes[(j + 1) * layout.hashes_per_chunk[g] - 1], g
+    def key(g: int, j: int) -> int:
+        return offload_key(hashes[(j + 1) * layout.hashes_per_chunk[g] - 1], g)
 
     keys = {gj: key(*gj) for gj in states}
     ordered = sorted(states)

@@ -55,7 +55,14 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Literal, Protocol, runtime_checkable
 
-from sim.model.cpu_cache import CacheAssertion, ChunkState, CpuChunkCache, LookupResult, OffloadKey
+from sim.model.cpu_cache import (
+    KEY_GROUPS,
+    CacheAssertion,
+    ChunkState,
+    CpuChunkCache,
+    LookupResult,
+    OffloadKey,
+)
 from sim.model.gpu_cache import NULL_BLOCK_ID, Block
 from sim.model.layout import GroupSpec, Layout, cdiv
 from sim.model.windows import WindowProfile
@@ -351,7 +358,7 @@ class OffloadingScheduler:
             start = hpc * len(keys) + hpc - 1
             if start < len(hashes):
                 n = len(keys)
-                keys.extend(zip(hashes[start::hpc], repeat(g)))
+                keys.extend(map(g.__add__, map(KEY_GROUPS.__mul__, hashes[start::hpc])))   # offload_key
                 if self._scoped:
                     tpc = self._tpc[g]
                     st.ends.update((keys[j], (j + 1) * tpc) for j in range(n, len(keys)))

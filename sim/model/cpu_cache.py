@@ -98,6 +98,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol, TypeAlias
 
 __all__ = [
+    "KEY_GROUPS",
     "NEVER",
     "ArcPolicy",
     "AssertionReason",
@@ -119,11 +120,30 @@ __all__ = [
     "StoreCancelled",
     "StoreReservation",
     "capacity_from_bytes",
+    "key_parts",
+    "offload_key",
     "slot_bytes",
 ]
 
-OffloadKey: TypeAlias = tuple[int, int]
-"""``(block_hash, group_index)``: a chunk of a group, named by the hash of its last hash block."""
+OffloadKey: TypeAlias = int
+"""A chunk of a group, named by the hash of its last hash block: ``block_hash * 256 +
+group_index`` (:func:`offload_key`; :func:`key_parts` gives the two back). One int rather
+than a ``(hash, group)`` tuple: a key is one object (about 32 bytes instead of about 90
+with its hash), hashes without visiting a tuple, and is not tracked by the cyclic garbage
+collector. The encoding keeps the tuples' order (by hash, then group) for any hash."""
+
+#: groups a key can name (the layout refuses more)
+KEY_GROUPS = 256
+
+
+def offload_key(block_hash: int, group: int) -> OffloadKey:
+    """The key of ``group``'s chunk whose last hash block has ``block_hash``."""
+    return block_hash * KEY_GROUPS + group
+
+
+def key_parts(key: OffloadKey) -> tuple[int, int]:
+    """``(block_hash, group)`` of a key (:func:`offload_key` inverted)."""
+    return divmod(key, KEY_GROUPS)
 
 
 class LookupResult(enum.Enum):
@@ -182,7 +202,8 @@ class CacheAssertion(Exception):  # noqa: N818 -- named after the vLLM assertion
             what = "not found in CPU cache"
         else:
             what = "not ready to be read: its store is still pending"
-        message = f"chunk (h={key[0]}, group={key[1]}) {what}"
+        h, g = key_parts(key)
+        message = f"chunk (h={h}, group={g}) {what}"
         super().__init__(message)
         self.key: OffloadKey = key
         self.reason: AssertionReason = reason
@@ -1404,7 +1425,7 @@ class CpuChunkCache:
             return
         if access is not None:
             seen = access.seen
-            order = sorted(seen, key=lambda key: (seen[key], key[1]))
+            order = sorted(seen, key=lambda key: (seen[key], key % KEY_GROUPS))
             scoped.commit(order, access.stored - access.reused, access.reused)
         scoped.forget_request(req_id)
 

@@ -312,7 +312,7 @@ def _ask_group(prof: WindowProfile, grp: _LookupGroup, cg: list[LookupResult], c
     else:
         cand = (end - fresh) * tpc
         init = prof.initial_window(spec, tpc, w, m if m < cand else cand)
-        r = prof.window_scan(cg.__getitem__, range(lo, end), w + fresh,  # type: ignore[arg-type]
+        r = prof.window_scan(cg.__getitem__, range(lo, end), w + fresh,
                              None if init is None else init + fresh)
     if r is None:
         return -m

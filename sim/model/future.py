@@ -52,9 +52,8 @@ Invariants
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
 
-from sim.model.cpu_cache import NEVER, OffloadKey
+from sim.model.cpu_cache import NEVER, OffloadKey, offload_key
 from sim.model.layout import Layout
 from sim.model.request import Request
 
@@ -87,7 +86,7 @@ class FutureUses:
             keys: list[OffloadKey] = []
             for g, (tpc, hpc) in enumerate(zip(tpcs, hpcs, strict=True)):
                 n = tokens // tpc
-                keys.extend(zip(req.block_hashes[hpc - 1 : n * hpc : hpc], repeat(g)))
+                keys.extend(offload_key(h, g) for h in req.block_hashes[hpc - 1 : n * hpc : hpc])
             keys = list(dict.fromkeys(keys))
             if req.req_id in self._reqs:
                 raise ValueError(f"request id {req.req_id} appears twice in the workload")

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from sim.model.cpu_cache import KEY_GROUPS, offload_key
+
 __all__ = [
     "GroupKind",
     "GroupSpec",
@@ -190,6 +192,9 @@ class Layout:
             raise LayoutError("blocks_per_chunk", f"{self.blocks_per_chunk!r}", "a positive integer")
         if not self.groups:
             raise LayoutError("groups", "empty", "at least one group")
+        if len(self.groups) > KEY_GROUPS:
+            raise LayoutError("groups", f"{len(self.groups)} groups",
+                              f"at most {KEY_GROUPS} (the groups an offload key can name)")
         for i, g in enumerate(self.groups):
             self._validate_group(i, g)
 
@@ -334,10 +339,11 @@ class Layout:
         """Number of complete chunks (keys) of ``group`` for a sequence of ``num_tokens``."""
         return num_tokens // self.tokens_per_chunk[group]
 
-    def offload_keys(self, group: int, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """Keys of every complete chunk of ``group`` (spec §1.3)."""
+    def offload_keys(self, group: int, block_hashes: Sequence[int]) -> list[int]:
+        """Keys of every complete chunk of ``group`` (spec §1.3; the encoding of
+        :func:`sim.model.cpu_cache.offload_key`)."""
         hpc = self.hashes_per_chunk[group]
-        return [(h, group) for h in block_hashes[hpc - 1 :: hpc]]
+        return [offload_key(h, group) for h in block_hashes[hpc - 1 :: hpc]]
 
     def kv_bytes_per_block(self, group: int) -> int | None:
         """KV bytes of one GPU block of ``group`` (given, or from its shape)."""

@@ -73,6 +73,7 @@ from typing import Any, Literal, cast
 from sim.engine.loop import Engine, EngineConfig, SimulationResult
 from sim.engine.metrics import EventRow, Recorder, Sink
 from sim.io.results import clean_floats, write_json_atomic
+from sim.model.cpu_cache import key_parts
 from sim.model.request import Request
 from sim.model.scheduler import ReproducerSnapshot, StepPlan
 
@@ -84,6 +85,8 @@ FIELDS = ("lookup", "scheduled", "blocks", "load_keys", "store_keys", "preempted
 #: the per-step decisions compared after the requests' (crashes are compared first)
 STEP_FIELDS = ("evicted", "flushed")
 
+#: a chunk as ``(hash, group)``, as both sides' decisions are compared and reported
+#: (kvsim's keys through :func:`sim.model.cpu_cache.key_parts`)
 Key = tuple[int, int]
 Logic = Literal["old", "new", "latest"]
 
@@ -245,11 +248,11 @@ def model_decisions(engine: Engine, plan: StepPlan, crashes: tuple[tuple[str, st
         reqs[r.req_id]["preempted"] = True
     evicted: list[Key] = []
     for j in plan.loads:
-        reqs[j.req_id]["load_keys"] = tuple(sorted(j.plan.keys))
+        reqs[j.req_id]["load_keys"] = tuple(sorted(map(key_parts, j.plan.keys)))
     for j in plan.stores:
         d = reqs[j.req_id]
-        d["store_keys"] = tuple(sorted((*d.get("store_keys", ()), *j.plan.keys)))
-        evicted.extend(getattr(j.plan, "evicted", ()))
+        d["store_keys"] = tuple(sorted((*d.get("store_keys", ()), *map(key_parts, j.plan.keys))))
+        evicted.extend(map(key_parts, getattr(j.plan, "evicted", ())))
     gpu = sched.gpu
     whole = {r.req_id for r in plan.admitted}
     for r, _, new in plan.scheduled:

@@ -31,6 +31,7 @@ from sim.errors import InputError
 from sim.io.check import CheckScenario, Logic, expand_chunk_states
 from sim.io.workload import Request
 from sim.model.costs import StepCostModel, TransferModel
+from sim.model.cpu_cache import offload_key
 from sim.model.layout import cdiv
 from sim.model.request import kv_salt
 
@@ -76,7 +77,7 @@ def replay_check(sc: CheckScenario, logic: Logic, *, assertions: bool = True,
     hpc = layout.hashes_per_chunk
     salt = kv_salt(req.req_id)
     spare: Iterator[int] = iter(range(gpu_blocks - 1, 0, -1))
-    key_of = {gj: (hashes[(gj[1] + 1) * hpc[gj[0]] - 1], gj[0]) for gj in states}
+    key_of = {gj: offload_key(hashes[(gj[1] + 1) * hpc[gj[0]] - 1], gj[0]) for gj in states}
     ordered = sorted(states)
 
     def only(g: int, ids: list[int], end: int) -> list[list[int]]:

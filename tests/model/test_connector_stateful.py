@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sim.model.connector import OffloadingScheduler
-from sim.model.cpu_cache import ChunkState, CpuChunkCache, OffloadKey
+from sim.model.cpu_cache import ChunkState, CpuChunkCache, OffloadKey, offload_key
 from sim.model.gpu_cache import GpuKVCache
 from sim.model.layout import Layout
 from sim.model.windows import profile
@@ -57,7 +57,7 @@ FOREIGN = [(900 + i, 1) for i in range(6)]
 
 def seq_keys(seq: int) -> list[OffloadKey]:
     """The offload keys of prompt ``seq`` (spec §1.3: the hash of each chunk's last block)."""
-    return [(h, 0) for h in SEQS[seq][BPC - 1 :: BPC]]
+    return [offload_key(h, 0) for h in SEQS[seq][BPC - 1 :: BPC]]
 
 
 UNIVERSE = sorted({k for seq in range(len(SEQS)) for k in seq_keys(seq)}) + FOREIGN
@@ -176,7 +176,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         rid = f"r{self.next_req}"
         self.next_req += 1
         req = Req(rid, SEQS[seq][: num_tokens // BS], num_tokens)
-        keys = [(h, 0) for h in req.block_hashes[BPC - 1 :: BPC]]
+        keys = [offload_key(h, 0) for h in req.block_hashes[BPC - 1 :: BPC]]
         self.reqs[rid] = Ref(req, keys)
         self.sched.on_new_request(req)
 

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from sim.model.cpu_cache import (
+    KEY_GROUPS,
     NEVER,
     ArcPolicy,
     BeladyPolicy,
@@ -39,7 +40,10 @@ from sim.model.cpu_cache import (
     StoreCancelled,
     StoreReservation,
     capacity_from_bytes,
+    key_parts,
+    offload_key,
 )
+from sim.model.layout import GroupKind, GroupSpec, Layout, LayoutError
 from sim.model.windows import profile
 
 HIT, HIT_PENDING, MISS, RETRY = (
@@ -50,12 +54,33 @@ HIT, HIT_PENDING, MISS, RETRY = (
 )
 
 
+# ------------------------------------------------------------ the key encoding
+
+hashes = st.integers(min_value=-(2**63), max_value=2**64)
+groups = st.integers(min_value=0, max_value=KEY_GROUPS - 1)
+
+
+@given(st.tuples(hashes, groups), st.tuples(hashes, groups))
+def test_offload_key_round_trips_and_orders_as_the_hash_group_pair(a, b):
+    ka, kb = offload_key(*a), offload_key(*b)
+    assert key_parts(ka) == a and key_parts(kb) == b
+    assert (ka == kb) == (a == b)
+    assert (ka < kb) == (a < b)     # sorting keys sorts by hash, then group
+
+
+def test_a_layout_refuses_more_groups_than_a_key_can_name():
+    group = GroupSpec(GroupKind.FULL, 16)
+    Layout.of([group] * KEY_GROUPS, 16)
+    with pytest.raises(LayoutError, match=f"at most {KEY_GROUPS}"):
+        Layout.of([group] * (KEY_GROUPS + 1), 16)
+
+
 # ----------------------------------------------------------------- builders
 
 
 def k(h: int, g: int = 0) -> OffloadKey:
     """The key of a chunk whose last hash block has hash ``h``, in group ``g``."""
-    return (h, g)
+    return offload_key(h, g)
 
 
 A, B, C, D, E, F, G = (k(h) for h in range(1, 8))
@@ -323,7 +348,7 @@ def test_prepare_load_asserts_like_vllm_but_changes_nothing() -> None:
 
     with pytest.raises(CacheAssertion) as missing:
         cache.prepare_load([A, k(479, 1), C])
-    assert missing.value.key == (479, 1)
+    assert missing.value.key == k(479, 1)
     assert missing.value.reason == "missing_chunk"
     assert missing.value.message == "chunk (h=479, group=1) not found in CPU cache"
     assert str(missing.value) == missing.value.message

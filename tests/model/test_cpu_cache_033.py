@@ -33,11 +33,13 @@ from sim.model.cpu_cache import (
     OffloadKey,
     RankedLruPolicy,
     RequestArcPolicy,
+    key_parts,
+    offload_key,
 )
 
 
 def k(h: int, g: int = 0) -> OffloadKey:
-    return (h, g)
+    return offload_key(h, g)
 
 
 A, B, C, X, Y, Z = (k(h) for h in (1, 2, 3, 24, 25, 26))
@@ -188,7 +190,7 @@ def test_old_and_new_caches_ignore_the_request_arguments() -> None:
 # ------------------------------------------------------- stateful: heap vs ranks
 
 KEYS = [k(h, g) for h in range(1, 6) for g in (0, 1)]
-MACHINE_ENDS = {key: 16 * key[0] for key in KEYS}
+MACHINE_ENDS = {key: 16 * key_parts(key)[0] for key in KEYS}
 
 
 class RankedLruMachine(RuleBasedStateMachine):

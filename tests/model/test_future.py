@@ -8,6 +8,7 @@ from array import array
 import pytest
 
 from sim.model.cpu_cache import NEVER, EvictionPolicy
+from sim.model.cpu_cache import offload_key as k
 from sim.model.future import FutureUses
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.request import Request
@@ -26,11 +27,11 @@ def req(rid: str, hashes: list[int], prompt: int, output: int = 16, t: float = 0
 def test_uses_are_the_complete_prompt_chunks_of_every_group() -> None:
     fut = FutureUses([req("a", [1, 2, 3], 50)], LAYOUT)
     # 50 prompt tokens: three 16-token chunks (hashes 1, 2, 3), one 32-token chunk (hash 2)
-    assert fut.keys_of("a") == ((1, 0), (2, 0), (3, 0), (2, 1))
+    assert fut.keys_of("a") == (k(1, 0), k(2, 0), k(3, 0), k(2, 1))
     with_output = FutureUses([req("a", [1, 2, 3, 4], 50, output=30)], LAYOUT, prompt_only=False)
     assert fut.keys_of("zz") == ()
     # 80 tokens of prompt + output: five 16-token chunks, two 32-token chunks
-    assert with_output.keys_of("a") == ((1, 0), (2, 0), (3, 0), (4, 0), (1000, 0), (2, 1), (4, 1))
+    assert with_output.keys_of("a") == (k(1, 0), k(2, 0), k(3, 0), k(4, 0), k(1000, 0), k(2, 1), k(4, 1))
 
 
 def test_next_use_is_the_first_request_not_yet_consumed() -> None:
@@ -38,19 +39,19 @@ def test_next_use_is_the_first_request_not_yet_consumed() -> None:
     fut = FutureUses(reqs, LAYOUT)
     moved: list[tuple] = []
     fut.subscribe(lambda keys: moved.append(tuple(keys)))
-    assert fut.next_use((1, 0)) == 0 and fut.next_use((2, 0)) == 0 and fut.next_use((5, 0)) == 1
-    assert fut.next_use((9, 0)) == NEVER
+    assert fut.next_use(k(1, 0)) == 0 and fut.next_use(k(2, 0)) == 0 and fut.next_use(k(5, 0)) == 1
+    assert fut.next_use(k(9, 0)) == NEVER
     fut.consume("b")                      # out of order: b looked up before a
-    assert moved == [((1, 0), (5, 0), (5, 1))]   # b's 32-token chunk ends at its 2nd hash
-    assert fut.next_use((1, 0)) == 0
-    assert fut.next_use((5, 0)) == NEVER
+    assert moved == [(k(1, 0), k(5, 0), k(5, 1))]   # b's 32-token chunk ends at its 2nd hash
+    assert fut.next_use(k(1, 0)) == 0
+    assert fut.next_use(k(5, 0)) == NEVER
     fut.consume("a")
-    assert fut.next_use((1, 0)) == 2 and fut.next_use((2, 0)) == 2
+    assert fut.next_use(k(1, 0)) == 2 and fut.next_use(k(2, 0)) == 2
     fut.consume("a")                      # idempotent: nobody told again
     fut.consume("unknown")
     assert len(moved) == 2
     fut.consume("c")
-    assert fut.next_use((1, 0)) == NEVER
+    assert fut.next_use(k(1, 0)) == NEVER
 
 
 def test_a_request_id_twice_is_refused() -> None:
@@ -69,8 +70,8 @@ def test_the_scheduler_requires_the_oracle_for_belady_and_consumes_at_a_definite
     sched = Scheduler(cfg, future=fut)
     assert sched.future is fut
     sched.add_request(a)
-    assert fut.next_use((1, 0)) == 0
+    assert fut.next_use(k(1, 0)) == 0
     sched.schedule(0.0)                   # a is looked up (a miss: a definite answer)
-    assert fut.next_use((1, 0)) == 1 and fut.next_use((2, 0)) == 1
+    assert fut.next_use(k(1, 0)) == 1 and fut.next_use(k(2, 0)) == 1
     lru = Scheduler(SchedulerConfig(layout=layout, gpu_blocks=64, cpu_capacity_chunks=4), future=fut)
     assert lru.future is None             # only belady consults the future

@@ -17,11 +17,18 @@ from hypothesis.stateful import (
     rule,
 )
 
-from sim.model.cpu_cache import CacheAssertion, ChunkState, EvictionPolicy, LookupResult, OffloadKey
+from sim.model.cpu_cache import (
+    CacheAssertion,
+    ChunkState,
+    EvictionPolicy,
+    LookupResult,
+    OffloadKey,
+    offload_key,
+)
 from sim.model.tiers import TieredCache, TierSpec
 
 HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
-A, B, C, D = ((h, 0) for h in range(1, 5))
+A, B, C, D = (offload_key(h, 0) for h in range(1, 5))
 #: promotions seen by the state machine (to check it exercises them)
 PROMOTIONS: list[int] = []
 
@@ -188,7 +195,7 @@ def test_a_tiered_cache_needs_a_tier() -> None:
 
 # ------------------------------------------------------------------ random sequences
 
-KEYS = [(h, 0) for h in range(8)]
+KEYS = [offload_key(h, 0) for h in range(8)]
 
 
 class TieredMachine(RuleBasedStateMachine):
