@@ -97,11 +97,13 @@ Invariants (:meth:`FastBlockPool.check_invariants`)
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from itertools import takewhile
+from itertools import compress, takewhile
+from operator import not_
 from types import ModuleType
 from typing import overload
 
@@ -635,6 +637,19 @@ class _ReqBlocks(Mapping[str, tuple[BlockSeq, ...]]):
         return len(self._cache._tables)
 
 
+def empty_boundary_scan(cache: GpuFastCache, g: int, n: int) -> int:
+    """:meth:`GpuFastCache._empty_boundary` by the definition, one boundary at a
+    time from ``n`` down (the reference its closed form is tested against)."""
+    spec = cache.layout.groups[g]
+    if spec.kind is GroupKind.CHUNKED_LOCAL:
+        bs = cache._bs[g]
+        for end in range(n, 0, -1):
+            if cache.retained_range(g, end * bs)[0] >= end:
+                return end
+        return 0
+    return cache._empty_boundary(g, n)
+
+
 class GpuFastCache:
     """Per-group block tables over one shared :class:`FastBlockPool`; the
     decisions of :class:`sim.model.gpu_cache.GpuKVCache`, blocks as ids.
@@ -781,13 +796,18 @@ class GpuFastCache:
         return 0
 
     def _empty_boundary(self, g: int, n: int) -> int:
+        """The largest ``end <= n`` at which group ``g`` retains no block
+        (``retained_range(g, end * bs)[0] >= end``), 0 if none: a hit may end
+        there with nothing cached. :func:`empty_boundary_scan` is the scan this
+        replaces (tests/model/test_gpu_fast.py)."""
         spec = self.layout.groups[g]
         if spec.kind is GroupKind.CHUNKED_LOCAL:
-            bs = self._bs[g]
-            for end in range(n, 0, -1):
-                if self.retained_range(g, end * bs)[0] >= end:
-                    return end
-            return 0
+            # retained_range's first block is (t // C * C) // bs at boundary t = end * bs, which
+            # reaches end exactly when t starts an attention chunk: end a multiple of C / gcd(C, bs)
+            chunk = spec.attention_chunk
+            assert chunk is not None
+            step = chunk // math.gcd(chunk, self._bs[g])
+            return n // step * step
         if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
             return n
         return 0
@@ -798,14 +818,17 @@ class GpuFastCache:
         hpb = self._hpb[g]
         cached = self.pool._caches[g].__contains__
         hashes = block_hashes[hpb - 1 : n * hpb : hpb]   # block i's hash is hashes[i]
+        at = hashes.__getitem__
         i = n - 1
         while i >= empty:
-            if not cached(hashes[i]):
-                i -= 1
-                continue
-            j = i
-            while j > 0 and cached(hashes[j - 1]):
-                j -= 1
+            # the last cached block at or below i (absent blocks skipped at C speed)
+            down = range(i, empty - 1, -1)
+            i = next(compress(down, map(cached, map(at, down))), empty - 1)
+            if i < empty:
+                break
+            # the first block of its run of cached blocks
+            below = range(i - 1, -1, -1)
+            j = next(compress(below, map(not_, map(cached, map(at, below)))), -1) + 1
             if self.hit_first(g, (i + 1) * bs) >= j:
                 return (i + 1) * bs
             i = j - 2
