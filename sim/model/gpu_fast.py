@@ -637,19 +637,6 @@ class _ReqBlocks(Mapping[str, tuple[BlockSeq, ...]]):
         return len(self._cache._tables)
 
 
-def empty_boundary_scan(cache: GpuFastCache, g: int, n: int) -> int:
-    """:meth:`GpuFastCache._empty_boundary` by the definition, one boundary at a
-    time from ``n`` down (the reference its closed form is tested against)."""
-    spec = cache.layout.groups[g]
-    if spec.kind is GroupKind.CHUNKED_LOCAL:
-        bs = cache._bs[g]
-        for end in range(n, 0, -1):
-            if cache.retained_range(g, end * bs)[0] >= end:
-                return end
-        return 0
-    return cache._empty_boundary(g, n)
-
-
 class GpuFastCache:
     """Per-group block tables over one shared :class:`FastBlockPool`; the
     decisions of :class:`sim.model.gpu_cache.GpuKVCache`, blocks as ids.
@@ -798,8 +785,9 @@ class GpuFastCache:
     def _empty_boundary(self, g: int, n: int) -> int:
         """The largest ``end <= n`` at which group ``g`` retains no block
         (``retained_range(g, end * bs)[0] >= end``), 0 if none: a hit may end
-        there with nothing cached. :func:`empty_boundary_scan` is the scan this
-        replaces (tests/model/test_gpu_fast.py)."""
+        there with nothing cached. The reference's
+        :meth:`~sim.model.gpu_cache.GpuKVCache._empty_boundary` scans for it one
+        boundary at a time; tests/model/test_gpu_fast.py checks the two agree."""
         spec = self.layout.groups[g]
         if spec.kind is GroupKind.CHUNKED_LOCAL:
             # retained_range's first block is (t // C * C) // bs at boundary t = end * bs, which

@@ -462,7 +462,7 @@ def test_mamba_without_computed_tokens_keeps_reference_quirk() -> None:
 
 @given(bs=st.sampled_from([1, 2, 4, 8, 16, 32]), chunk=st.integers(1, 300), n=st.integers(0, 400))
 def test_empty_boundary_closed_form_equals_the_scan(bs: int, chunk: int, n: int) -> None:
-    """A chunked-local group's last boundary with no retained block, as a formula
-    (a multiple of C / gcd(C, bs) blocks) and as the scan it replaced."""
-    cache = GpuFastCache(Layout.of([fa(bs), cla(bs, chunk)], 1), 8)
-    assert cache._empty_boundary(1, n) == gpu_fast.empty_boundary_scan(cache, 1, n)
+    """A chunked-local group's last boundary with no retained block: the fast
+    cache's formula (a multiple of C / gcd(C, bs) blocks) against the reference's scan."""
+    layout = Layout.of([fa(bs), cla(bs, chunk)], 1)
+    assert GpuFastCache(layout, 8)._empty_boundary(1, n) == GpuKVCache(layout, 8)._empty_boundary(1, n)
