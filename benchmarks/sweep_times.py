@@ -21,24 +21,27 @@ Exit status 2 when the folder is not a sweep folder.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import pandas as pd
 
+from sim.errors import InputError
+from sim.io.results import read_json
+from sim.tools.sweep import load_sweep
+
 
 def point_times(folder: Path) -> pd.DataFrame:
     """One row per finished point: the sweep table's identifying columns with the
     wall time and start of its run."""
-    table = pd.read_parquet(folder / "sweep.parquet")
+    table = load_sweep(folder).table
     rows = []
     for rec in table.to_dict("records"):
         info_path = folder / rec["run_dir"] / "run_info.json"
         if not info_path.is_file():
             continue
-        info = json.loads(info_path.read_text())
+        info = read_json(info_path)
         start = datetime.fromisoformat(info["started_utc"])
         rows.append({
             "point": rec["point"],
@@ -65,7 +68,11 @@ def main() -> int:
     if not (folder / "sweep.parquet").is_file():
         print(f"sweep_times: {folder}: not a sweep folder (no sweep.parquet)", file=sys.stderr)
         return 2
-    df = point_times(folder)
+    try:
+        df = point_times(folder)
+    except InputError as exc:   # an unreadable table or run_info.json: one line
+        print(f"sweep_times: {exc}", file=sys.stderr)
+        return 2
     if df.empty:
         print(f"sweep_times: {folder}: no finished point has a run_info.json", file=sys.stderr)
         return 2
