@@ -375,7 +375,7 @@ class Recorder:
         batch_rows: rows per table kept before a flush (one Parquet row group).
     """
 
-    def __init__(self, sink: Sink, batch_rows: int = 65_536) -> None:
+    def __init__(self, sink: Sink, batch_rows: int = 8_192) -> None:
         self.sink = sink
         self.batch_rows = batch_rows
         self._types = {t: tuple(ty for _, ty in cols) for t, cols in TABLES.items()}
