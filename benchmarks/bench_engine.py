@@ -44,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+from sim import _native
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
 from sim.io.scenario import load_run
@@ -120,7 +121,7 @@ def child(case: str, limit: int | None, profile: bool, accounting: str) -> None:
         "layout": [f"{g.kind}/{g.tokens_per_block}" for g in cfg.layout.groups],
         "gpu_blocks": cfg.gpu_blocks, "cpu_chunks": cfg.cpu_capacity_chunks,
         "policy": str(cfg.eviction), "step_cost": repr(cfg.step_cost),
-        "h2d": repr(cfg.h2d), "d2h": repr(cfg.d2h),
+        "h2d": repr(cfg.h2d), "d2h": repr(cfg.d2h), "compiled": _native.compiled(),
     }))
 
 
@@ -128,9 +129,12 @@ def _run_child(case: str, accounting: str, limit: int | None, profile: bool = Fa
     cmd = [sys.executable, __file__, "--child", case, "--accounting", accounting]
     if limit:
         cmd += ["--limit", str(limit)]
+    env = dict(os.environ)
     if profile:
         cmd.append("--profile")
-    out = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE).stdout.strip().splitlines()
+        env["KVSIM_PURE"] = "1"   # cProfile sees no function inside a compiled module: profile the source
+    proc = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, env=env)
+    out = proc.stdout.strip().splitlines()
     return json.loads(out[-1]), "\n".join(out[:-1])
 
 
@@ -158,6 +162,8 @@ def main() -> None:
         print(f"\n[{case}] config: layout {row['layout']}, gpu_blocks {row['gpu_blocks']}, "
               f"cpu_chunks {row['cpu_chunks']} ({row['policy']}), step {row['step_cost']}, "
               f"h2d {row['h2d']}, d2h {row['d2h']}")
+    print(f"\ncompiled modules (mypyc): {', '.join(rows[0]['compiled']) or 'none, the sources run'}"
+          " (KVSIM_PURE=1 runs the sources)")
     print("\n| case | accounting | requests | wall s | sim s | steps (rows) | req/s | x target | "
           "x reference | peak RSS MB | x budget |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -172,7 +178,7 @@ def main() -> None:
     if args.profile_limit:
         _, prof = _run_child("mooncake-spec6", "fast", args.profile_limit, profile=True)
         print(f"\nprofile: fast accounting, mooncake-spec6, first {args.profile_limit:,} requests "
-              "(cProfile, top entries by own time)")
+              "(cProfile of the Python sources, KVSIM_PURE=1; top entries by own time)")
         print("\n".join(line for line in prof.splitlines() if line.strip())[:4000])
 
 

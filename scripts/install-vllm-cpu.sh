@@ -38,7 +38,7 @@ $pip install --no-deps "vllm==$version"
 $pip install --no-deps -r "$lock"
 # kvsim's own runtime dependencies, so that kvsim runs in this environment with vLLM
 # deciding (decisions = "vllm", kvsim fidelity; PYTHONPATH=<repo> or pip install -e <repo>)
-$pip install simpy pandas pyarrow matplotlib tomli-w orjson
+$pip install simpy pandas pyarrow matplotlib tomli-w orjson mypy_extensions
 
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" - <<'PY'
 import vllm

@@ -7,6 +7,10 @@ run folder), :func:`load_runs` (the requests of many runs, one long table),
 
 from typing import TYPE_CHECKING, Any
 
+from sim import _native
+
+_native.install()   # the compiled hot modules, or their sources when stale or KVSIM_PURE=1
+
 if TYPE_CHECKING:
     from sim.io.results import load_results, load_runs, summaries
     from sim.tools.sweep import load_sweep

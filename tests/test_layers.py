@@ -2,7 +2,8 @@
 
 Every module of ``sim`` may import from its own layer and the layers below it,
 never from a layer above (imports inside functions and ``TYPE_CHECKING``
-blocks count too). ``sim.errors`` is the floor every layer may use; the
+blocks count too). ``sim.errors`` (and ``sim._native``, which picks compiled modules or
+their sources) is the floor every layer may use; the
 package ``sim`` itself, ``sim.cli`` and the compatibility shims ``sim.compare``
 and ``sim.plots`` are the top, and nothing inside ``sim`` imports them.
 """
@@ -22,6 +23,8 @@ SIM = ROOT / "sim"
 #: layer of each top-level part of ``sim`` (higher may import lower)
 RANK = {
     "errors": 0,
+    "_native": 0,         # which modules run compiled (imported first by the package)
+    "_native_stamp": 0,   # written by setup.py: the sources it compiled
     "model": 1,
     "engine": 2,
     "io": 3,

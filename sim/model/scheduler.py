@@ -101,6 +101,7 @@ from enum import Enum
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler, StorePlan
 from sim.model.costs import (
@@ -150,10 +151,12 @@ _FINISHED = RequestStatus.FINISHED
 _REJECTED = RequestStatus.REJECTED
 
 
+@mypyc_attr(native_class=False)   # compiled classes cannot extend RuntimeError
 class InvariantViolation(RuntimeError):  # noqa: N818 -- the name says what happened
     """An end-of-run invariant failed: a simulator bug (exit 1)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # sim.engine.loop.EngineConfig extends it
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's share of the engine configuration (see :class:`sim.engine.loop.EngineConfig`)."""
@@ -234,6 +237,7 @@ class SchedulerHooks:
     load_done: Callable[[LiveRequest, LoadPlan], None] | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # sim.engine.metrics.RunSummary extends it
 @dataclass
 class SchedulerStats:
     """The run figures the scheduler counts (merged into the run summary)."""
