@@ -42,7 +42,11 @@ def _native_extensions() -> list[Extension]:
         '"""Written by setup.py: the SHA-256 of each source mypyc compiled (see sim/_native.py)."""\n\n'
         f"SOURCES = {{\n{stamp}}}\n")
     try:
-        exts = mypycify(paths, opt_level="3", group_name="sim.model._native")
+        # mypy's types only, not the project's lint settings (pyproject's strict [tool.mypy]):
+        # the build environment has mypy and numpy, not kvsim's other dependencies
+        options = ["--config-file=", "--python-version=3.11", "--ignore-missing-imports",
+                   "--follow-imports=silent"]
+        exts = mypycify([*options, *paths], opt_level="3", group_name="sim.model._native")
     except Exception as exc:   # a type error or a missing tool: the sources run
         print(f"kvsim: mypyc failed ({exc}), the Python sources will run", file=sys.stderr)
         return []
