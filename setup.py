@@ -26,7 +26,20 @@ NATIVE_MODULES = (
 )
 
 
+def _forget_previous_build() -> None:
+    """Remove compiled copies left in the tree by an earlier in-place build, and its stamp,
+    so that a build that fails or is skipped cannot leave old code standing for new sources."""
+    from importlib.machinery import EXTENSION_SUFFIXES  # noqa: PLC0415
+
+    for name in (*NATIVE_MODULES, "sim.model._native__mypyc"):
+        base = ROOT.joinpath(*name.split("."))
+        for suffix in EXTENSION_SUFFIXES:
+            base.with_name(base.name + suffix).unlink(missing_ok=True)
+    (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)
+
+
 def _native_extensions() -> list[Extension]:
+    _forget_previous_build()
     if os.environ.get("KVSIM_PURE") == "1":
         return []
     try:
@@ -49,6 +62,7 @@ def _native_extensions() -> list[Extension]:
         exts = mypycify([*options, *paths], opt_level="3", group_name="sim.model._native")
     except Exception as exc:   # a type error or a missing tool: the sources run
         print(f"kvsim: mypyc failed ({exc}), the Python sources will run", file=sys.stderr)
+        (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)
         return []
     for ext in exts:
         ext.optional = True
