@@ -11,7 +11,7 @@ the same results; ``sim/_native.py`` also runs the sources when one of them no
 longer matches what was compiled.
 """
 
-import hashlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -19,11 +19,18 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 ROOT = Path(__file__).resolve().parent
-#: the same list as sim._native.NATIVE_MODULES (kept in step by tests/test_native.py)
-NATIVE_MODULES = (
-    "sim.model.gpu_fast",
-    "sim.model.scheduler",
-)
+
+
+def _load_native():
+    """``sim/_native.py`` (standard library only) by path: the module list, the group
+    library, the switch and the digest live there; importing ``sim`` would need its dependencies."""
+    spec = importlib.util.spec_from_file_location("_kvsim_native", ROOT / "sim" / "_native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+native = _load_native()
 
 
 def _forget_previous_build() -> None:
@@ -31,7 +38,7 @@ def _forget_previous_build() -> None:
     so that a build that fails or is skipped cannot leave old code standing for new sources."""
     from importlib.machinery import EXTENSION_SUFFIXES  # noqa: PLC0415
 
-    for name in (*NATIVE_MODULES, "sim.model._native__mypyc"):
+    for name in (*native.NATIVE_MODULES, native.GROUP_LIBRARY):
         base = ROOT.joinpath(*name.split("."))
         for suffix in EXTENSION_SUFFIXES:
             base.with_name(base.name + suffix).unlink(missing_ok=True)
@@ -40,17 +47,15 @@ def _forget_previous_build() -> None:
 
 def _native_extensions() -> list[Extension]:
     _forget_previous_build()
-    if os.environ.get("KVSIM_PURE") == "1":
+    if os.environ.get(native.PURE_ENV) == "1":
         return []
     try:
         from mypyc.build import mypycify  # noqa: PLC0415 -- a build requirement that may be missing
     except ImportError:
         print("kvsim: mypyc not available, the Python sources will run", file=sys.stderr)
         return []
-    paths = [str(Path(*m.split(".")).with_suffix(".py")) for m in NATIVE_MODULES]
-    digests = {m: hashlib.sha256((ROOT / p).read_bytes()).hexdigest()
-               for m, p in zip(NATIVE_MODULES, paths, strict=True)}
-    stamp = "".join(f"    {m!r}: {d!r},\n" for m, d in digests.items())
+    paths = [str(native.source_path(m).relative_to(ROOT)) for m in native.NATIVE_MODULES]
+    stamp = "".join(f"    {m!r}: {native.source_digest(m)!r},\n" for m in native.NATIVE_MODULES)
     (ROOT / "sim" / "_native_stamp.py").write_text(
         '"""Written by setup.py: the SHA-256 of each source mypyc compiled (see sim/_native.py)."""\n\n'
         f"SOURCES = {{\n{stamp}}}\n")
@@ -59,7 +64,8 @@ def _native_extensions() -> list[Extension]:
         # the build environment has mypy and numpy, not kvsim's other dependencies
         options = ["--config-file=", "--python-version=3.11", "--ignore-missing-imports",
                    "--follow-imports=silent"]
-        exts = mypycify([*options, *paths], opt_level="3", group_name="sim.model._native")
+        group = native.GROUP_LIBRARY.removesuffix("__mypyc")   # mypyc appends the suffix
+        exts = mypycify([*options, *paths], opt_level="3", group_name=group)
     except Exception as exc:   # a type error or a missing tool: the sources run
         print(f"kvsim: mypyc failed ({exc}), the Python sources will run", file=sys.stderr)
         (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)

@@ -74,7 +74,7 @@ def _has_compiled(module: str) -> bool:
 
 
 def _stale() -> str | None:
-    """Why the compiled modules must not run (None: they may), or None when there are none."""
+    """Why the compiled modules must not run; None when they may, or when there are none."""
     if not any(_has_compiled(m) for m in NATIVE_MODULES):
         return None
     if not all(_has_compiled(m) for m in (*NATIVE_MODULES, GROUP_LIBRARY)):

@@ -3,7 +3,6 @@ their Python sources, and the sources take over when asked to or when stale."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import os
 import subprocess
@@ -15,18 +14,6 @@ import pytest
 from sim import _native
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _setup_list() -> tuple[str, ...]:
-    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "NATIVE_MODULES":
-            return tuple(ast.literal_eval(node.value))
-    raise AssertionError("setup.py defines no NATIVE_MODULES")
-
-
-def test_setup_compiles_the_modules_the_loader_knows():
-    assert _setup_list() == _native.NATIVE_MODULES
 
 
 def test_the_compiled_modules_run_in_ci():
