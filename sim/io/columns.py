@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from sim.engine.metrics import COLUMN_DOCS, OPTIONAL_TABLES, TABLES
-from sim.model.connector import CrashKind, DeferReason, Hazard
+from sim.model.connector import CrashKind, DeferReason, HazardKind
 
 __all__ = [
     "COUNT_NAMES",
@@ -209,7 +209,7 @@ def _literal(tp: Any) -> tuple[str, ...]:
 COUNT_NAMES: dict[str, tuple[str, ...]] = {
     "engine.deferral_reasons": _literal(DeferReason),
     "crashes.kinds": _literal(CrashKind),
-    "hazards.kinds": _literal(typing.get_type_hints(Hazard)["kind"]),
+    "hazards.kinds": _literal(HazardKind),
 }
 
 #: the first columns of ``sweep.parquet``: name -> (type, unit, meaning)

@@ -71,6 +71,7 @@ __all__ = [
     "CrashKind",
     "DeferReason",
     "Hazard",
+    "HazardKind",
     "LoadPlan",
     "MatchResult",
     "ModelledCrash",
@@ -81,6 +82,7 @@ __all__ = [
 ]
 
 CrashKind = Literal["missing_chunk", "chunk_not_ready", "assertion"]
+HazardKind = Literal["double_load", "unsafe_read"]
 DeferReason = Literal["in_flight_jobs", "pending_or_retry", "being_loaded"]
 
 _HIT = LookupResult.HIT
@@ -138,7 +140,7 @@ class ModelledCrashError(Exception):
 class Hazard:
     """A silent misbehaviour of the modelled system (no crash)."""
 
-    kind: Literal["double_load", "unsafe_read"]
+    kind: HazardKind
     group: int
     chunk: int
 

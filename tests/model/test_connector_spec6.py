@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sim.model.connector import ModelledCrashError
-from sim.model.cpu_cache import LookupResult, key_parts
+from sim.model.cpu_cache import LookupResult, key_parts, offload_key
 from sim.model.windows import NEW, OLD
 from tests.helpers import SPEC6, World, make_req
 
@@ -133,7 +133,7 @@ def test_old_3904_only_ever_looks_up_swa_15():
     assert [w.key(req, 1, j) for j in (15,)] == [k for k in seen if key_parts(k)[1] == 1]
 
 
-KEYS = [(i, 0) for i in range(5)]
+KEYS = [offload_key(i, 0) for i in range(5)]
 
 
 def scan(profile, middle):

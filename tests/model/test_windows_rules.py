@@ -23,7 +23,7 @@ import pytest
 
 from sim.model import windows
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
-from sim.model.cpu_cache import CpuChunkCache, EvictionPolicy, LookupResult
+from sim.model.cpu_cache import CpuChunkCache, EvictionPolicy, LookupResult, key_parts, offload_key
 from sim.model.gpu_cache import Block
 from sim.model.layout import Layout
 from sim.model.windows import NEW, OLD, WindowProfile
@@ -36,7 +36,7 @@ M = LookupResult.MISS
 
 def scan(prof: WindowProfile, states: list[LookupResult], need: int, initial: int | None) -> int | None:
     """``window_scan`` over keys 0..n-1 whose lookups answer ``states``."""
-    keys = [(i, 1) for i in range(len(states))]
+    keys = [offload_key(i, 1) for i in range(len(states))]
     answers = dict(zip(keys, states, strict=True))
     return prof.window_scan(answers.__getitem__, keys, need, initial)
 
@@ -327,7 +327,7 @@ class Row:
 def arc_last_resort(prof: WindowProfile) -> object:
     """ARC with T1 below its target and T2's only chunk pinned: what a store's
     eviction takes (the CPU cache built as the scheduler builds it for ``prof``)."""
-    a, b, c, d, e = ((h, 0) for h in range(1, 6))
+    a, b, c, d, e = (offload_key(h, 0) for h in range(1, 6))
     cache = CpuChunkCache(3, EvictionPolicy.ARC, arc_t1_last_resort=prof.arc_t1_last_resort)
     for keys in ((a, b, c), (d,)):            # d's store evicts a from T1 (target 0)
         res = cache.prepare_store(list(keys))
@@ -338,7 +338,7 @@ def arc_last_resort(prof: WindowProfile) -> object:
     cache.touch([c])                          # c to T2
     cache.prepare_load([c])                   # T2's only chunk pinned
     res = cache.prepare_store([e])
-    return None if res is None else res.evicted
+    return None if res is None else tuple(key_parts(k) for k in res.evicted)
 
 
 ROWS = [
