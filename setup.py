@@ -38,7 +38,7 @@ def _forget_previous_build() -> None:
     so that a build that fails or is skipped cannot leave old code standing for new sources."""
     from importlib.machinery import EXTENSION_SUFFIXES  # noqa: PLC0415
 
-    for name in (*native.NATIVE_MODULES, native.GROUP_LIBRARY):
+    for name in (*native.NATIVE_MODULES, *native.leftovers(), native.GROUP_LIBRARY):
         base = ROOT.joinpath(*name.split("."))
         for suffix in EXTENSION_SUFFIXES:
             base.with_name(base.name + suffix).unlink(missing_ok=True)

@@ -16,6 +16,9 @@ makes the ``.py`` sources load instead of the compiled modules when
 
 All or none: the compiled modules call each other natively, so mixing a
 compiled module with the source of another would run stale code.
+A compiled copy of a module that the list no longer names (left in the tree by
+an in-place build of another commit) never runs: :func:`leftovers` finds such
+copies, their sources load instead, and the next build removes them.
 :func:`compiled` tells which modules run compiled in this process.
 """
 
@@ -73,6 +76,22 @@ def _has_compiled(module: str) -> bool:
                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
+def leftovers() -> list[str]:
+    """Modules outside :data:`NATIVE_MODULES` with a compiled copy next to their source: left
+    in the tree by an earlier in-place build that compiled them (another commit's list).
+    They always run from source (a compiled copy would look for its code in the group
+    library, which no longer has it); ``setup.py`` removes them."""
+    found: set[str] = set()
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for lib in (_ROOT / "sim").rglob("*" + suffix):
+            src = lib.with_name(lib.name[: -len(suffix)] + ".py")
+            if src.is_file():
+                name = ".".join(src.relative_to(_ROOT).with_suffix("").parts)
+                if name not in NATIVE_MODULES:
+                    found.add(name)
+    return sorted(found)
+
+
 def _stale() -> str | None:
     """Why the compiled modules must not run; None when they may, or when there are none."""
     if not any(_has_compiled(m) for m in NATIVE_MODULES):
@@ -95,13 +114,15 @@ def install() -> None:
     if (any(isinstance(f, _SourceFirst) for f in sys.meta_path)
             or any(m in sys.modules for m in NATIVE_MODULES)):
         return
+    routed = leftovers()
     why = "KVSIM_PURE=1" if os.environ.get(PURE_ENV) == "1" else _stale()
-    if why is None:
-        return
-    if why != "KVSIM_PURE=1":
-        warnings.warn(f"kvsim: {why}; running the Python sources (rebuild: pip install -e . "
-                      "or python setup.py build_ext --inplace)", RuntimeWarning, stacklevel=2)
-    sys.meta_path.insert(0, _SourceFirst(NATIVE_MODULES))
+    if why is not None:
+        routed += NATIVE_MODULES
+        if why != "KVSIM_PURE=1":
+            warnings.warn(f"kvsim: {why}; running the Python sources (rebuild: pip install -e . "
+                          "or python setup.py build_ext --inplace)", RuntimeWarning, stacklevel=2)
+    if routed:
+        sys.meta_path.insert(0, _SourceFirst(routed))
 
 
 def compiled() -> list[str]:

@@ -4,6 +4,7 @@ their Python sources, and the sources take over when asked to or when stale."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -27,6 +28,21 @@ def test_the_compiled_modules_run_in_ci():
             pytest.fail(f"compiled: {_native.compiled()} of {_native.NATIVE_MODULES} "
                         "(pip install -e . compiles them with mypyc)")
         pytest.skip("the compiled modules are not built here")
+
+
+def test_a_compiled_copy_of_a_module_no_longer_compiled_is_a_leftover(tmp_path, monkeypatch):
+    """An earlier build's compiled copy of a module that is no longer in the list runs from
+    source (and setup.py removes it): its code is no longer in the group library."""
+    pkg = tmp_path / "sim" / "model"
+    pkg.mkdir(parents=True)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    for stem in ("old_hot", "scheduler", "_poolops"):
+        (pkg / f"{stem}{suffix}").write_bytes(b"")
+    (pkg / "old_hot.py").write_text("")
+    (pkg / "scheduler.py").write_text("")
+    monkeypatch.setattr(_native, "_ROOT", tmp_path)
+    # a listed module is not a leftover; an extension with no .py (the C pool) is not one
+    assert _native.leftovers() == ["sim.model.old_hot"]
 
 
 def _compiled_in_child(env_extra: dict[str, str]) -> str:
