@@ -63,7 +63,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +79,7 @@ from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError
 from sim.model.decision import DecisionLayout, decide, decision_layout
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
-from sim.tools.run import worker_init
+from sim.tools.run import pool_map, stop_pool, worker_init
 
 if TYPE_CHECKING:
     from sim.engine.loop import SimulationResult
@@ -787,11 +787,15 @@ class FuzzReport:
         return "\n".join(lines)
 
 
-def _executor(jobs: int) -> Executor | None:
+def _executor(jobs: int) -> ProcessPoolExecutor | None:
     """A pool whose workers die with this process (none for one job)."""
     if jobs <= 1:
         return None
     return ProcessPoolExecutor(max_workers=jobs, initializer=worker_init, initargs=(os.getpid(),))
+
+
+#: work units submitted ahead per worker (:func:`~sim.tools.run.pool_map`)
+_AHEAD = 4
 
 
 def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old", "new"),
@@ -801,11 +805,12 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
     """Search ``budget`` scenarios of ``seed``; shrink, verify and (with ``out``)
     write one library entry per condition. See the module docstring."""
     t0 = time.perf_counter()
-    units = [(seed, a, min(budget, a + _BLOCK), logics, verify_every) for a in range(0, budget, _BLOCK)]
+    units = ((seed, a, min(budget, a + _BLOCK), logics, verify_every) for a in range(0, budget, _BLOCK))
     total = _Hits()
     pool = _executor(jobs)
     try:
-        results: Iterable[_Hits] = pool.map(_search_unit, units) if pool else map(_search_unit, units)
+        results: Iterable[_Hits] = (pool_map(pool, _search_unit, units, _AHEAD * jobs) if pool
+                                    else map(_search_unit, units))
         for h in results:
             total.merge(h)
             if progress is not None:
@@ -813,10 +818,14 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
         search_s = time.perf_counter() - t0
         order = sorted(total.by_condition.items(), key=lambda kv: kv[1][0])
         tasks = [(entry[2], cond, logics) for cond, entry in order]
-        shrunk = list(pool.map(_shrink_unit, tasks)) if pool else [_shrink_unit(t) for t in tasks]
-    finally:
+        shrunk = (list(pool_map(pool, _shrink_unit, tasks, _AHEAD * jobs)) if pool
+                  else [_shrink_unit(t) for t in tasks])
+    except BaseException:   # an interrupt: end the workers now, never wait for the pool
         if pool is not None:
-            pool.shutdown()
+            stop_pool(pool)
+        raise
+    if pool is not None:
+        pool.shutdown()
     conditions: list[ConditionResult] = []
     divergences = list(total.divergences)
     for (cond, (index, count, found)), (small, evals) in zip(order, shrunk, strict=True):
@@ -1181,12 +1190,12 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
     if copy_path:
         import torch  # noqa: F401, PLC0415 -- optional extra; fail early, with the caller's message
     t0 = time.perf_counter()
-    units = [(seed, a, min(runs, a + unit), copy_path) for a in range(0, runs, unit)]
+    units = ((seed, a, min(runs, a + unit), copy_path) for a in range(0, runs, unit))
     pool = _executor(jobs)
     distinct: dict[tuple[str, str, str], RunFinding] = {}
     coverage: dict[str, int] = {}
     try:
-        results = pool.map(_run_unit, units) if pool else map(_run_unit, units)
+        results = pool_map(pool, _run_unit, units, _AHEAD * jobs) if pool else map(_run_unit, units)
         for done, found, seen in results:
             for k, v in seen.items():
                 coverage[k] = coverage.get(k, 0) + v
@@ -1198,9 +1207,12 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
                     have.count += 1
             if progress is not None:
                 progress(done)
-    finally:
+    except BaseException:   # an interrupt: end the workers now, never wait for the pool
         if pool is not None:
-            pool.shutdown()
+            stop_pool(pool)
+        raise
+    if pool is not None:
+        pool.shutdown()
     wall = time.perf_counter() - t0
     findings = sorted(distinct.values(), key=lambda f: (f.index, f.logic))
     origin = command or f"kvsim fuzz --runs {runs} --seed {seed}" + (" --copy-path" if copy_path else "")

@@ -13,7 +13,9 @@ Signals and worker processes (shared by run, compare and sweep)
     ``128 + signal``: 130, 143); :func:`worker_init` makes a pool worker
     leave Ctrl-C to its parent and die with it (``PR_SET_PDEATHSIG`` on
     Linux, and a thread that watches the parent's pid everywhere), and
-    :func:`stop_pool` ends a pool's workers at once.
+    :func:`stop_pool` ends a pool's workers at once; :func:`pool_map` is the
+    pool's ``map`` with a bounded number of tasks submitted, ending the pool
+    at once when its consumer is interrupted.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sim.engine.loop import simulate
 from sim.engine.metrics import OPTIONAL_TABLES, TABLES, Recorder
@@ -43,8 +46,11 @@ from sim.io.results import ParquetSink, RunWriter, clean_floats, out_error
 from sim.io.scenario import HARDWARE_WARNINGS_KEY, RunSpec
 from sim.io.workload import Request
 
-__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "signal_name", "signal_of", "stop_pool",
-           "worker_init"]
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "pool_map", "signal_name", "signal_of",
+           "stop_pool", "worker_init"]
 
 
 # -- signals and worker processes --------------------------------------------------------
@@ -136,8 +142,18 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> None:
-    """End a pool now: terminate its workers, wait for them (kill after ``timeout_s``)."""
+    """End a pool now: terminate its workers, wait for them (kill after ``timeout_s``).
+
+    The tasks still queued for the dead workers are abandoned: the pool's call queue
+    is told not to wait for its feeder thread at exit (``cancel_join_thread``). That
+    thread may be blocked for good writing into the pipe the workers no longer read,
+    and joining it when the interpreter exits would hang the command (seen as a
+    Ctrl-C of ``kvsim regress --jobs 2`` that never ended)."""
     procs = list((getattr(pool, "_processes", None) or {}).values())
+    call_queue = getattr(pool, "_call_queue", None)   # the executor's own queue (CPython internals)
+    if call_queue is not None:
+        with contextlib.suppress(Exception):
+            call_queue.cancel_join_thread()
     for proc in procs:
         with contextlib.suppress(Exception):
             proc.terminate()
@@ -153,6 +169,37 @@ def stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> None:
                 proc.kill()
                 proc.join(1.0)
 
+
+
+
+def pool_map(pool: ProcessPoolExecutor, fn: Callable[[_T], _R], items: Iterable[_T],
+             ahead: int) -> Iterator[_R]:
+    """``fn`` over ``items`` in ``pool``, results in order, as ``pool.map`` gives them; but at
+    most ``ahead`` tasks are submitted and not yet consumed (``pool.map`` submits every item
+    at once: tens of thousands of futures for a large fuzz budget), and when the consumer
+    stops early (an interrupt, an error, the generator closed) the pool is ended at once
+    (:func:`stop_pool`), never waited for. After the last result the caller shuts the pool
+    down as usual."""
+    it = iter(items)
+    window: deque[Future[_R]] = deque()
+    finished = False
+    try:
+        for item in it:
+            window.append(pool.submit(fn, item))
+            if len(window) >= ahead:
+                break
+        while window:
+            result = window.popleft().result()
+            for item in it:
+                window.append(pool.submit(fn, item))
+                break
+            yield result
+        finished = True
+    finally:
+        if not finished:
+            for fut in window:
+                fut.cancel()
+            stop_pool(pool)
 
 
 # -- one run, start to finish ------------------------------------------------------------
