@@ -170,8 +170,6 @@ def stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> None:
                 proc.join(1.0)
 
 
-
-
 def pool_map(pool: ProcessPoolExecutor, fn: Callable[[_T], _R], items: Iterable[_T],
              ahead: int) -> Iterator[_R]:
     """``fn`` over ``items`` in ``pool``, results in order, as ``pool.map`` gives them; but at
