@@ -108,7 +108,7 @@ from sim.io.results import (
 )
 from sim.io.scenario import human_bytes, load_run
 from sim.tools.plots import old_vs_new, save_figure
-from sim.tools.run import Interrupted, execute, signal_of, stop_pool, worker_init
+from sim.tools.run import Interrupted, execute, owned, signal_of, worker_init
 
 __all__ = [
     "ALL_LOGICS",
@@ -272,13 +272,8 @@ def _run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=worker_init,
                                initargs=(os.getpid(),))
-    try:
-        done = list(pool.map(_run_logic, tasks))
-    except BaseException:
-        stop_pool(pool)  # before the temporary folder they write into is removed
-        raise
-    pool.shutdown(wait=True)
-    return done
+    with owned(pool):   # an interrupt ends the workers before the temporary folder they write into goes
+        return list(pool.map(_run_logic, tasks))
 
 
 def _check_target(target: Path, overwrite: bool) -> None:

@@ -79,7 +79,7 @@ from sim.io.scenario import build_run
 from sim.model.connector import ModelledCrashError
 from sim.model.decision import DecisionLayout, decide, decision_layout
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
-from sim.tools.run import pool_map, stop_pool, worker_init
+from sim.tools.run import owned, pool_map, worker_init
 
 if TYPE_CHECKING:
     from sim.engine.loop import SimulationResult
@@ -808,7 +808,7 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
     units = ((seed, a, min(budget, a + _BLOCK), logics, verify_every) for a in range(0, budget, _BLOCK))
     total = _Hits()
     pool = _executor(jobs)
-    try:
+    with owned(pool):
         results: Iterable[_Hits] = (pool_map(pool, _search_unit, units, _AHEAD * jobs) if pool
                                     else map(_search_unit, units))
         for h in results:
@@ -820,12 +820,6 @@ def fuzz_decisions(budget: int, seed: int, *, logics: tuple[Logic, ...] = ("old"
         tasks = [(entry[2], cond, logics) for cond, entry in order]
         shrunk = (list(pool_map(pool, _shrink_unit, tasks, _AHEAD * jobs)) if pool
                   else [_shrink_unit(t) for t in tasks])
-    except BaseException:   # an interrupt: end the workers now, never wait for the pool
-        if pool is not None:
-            stop_pool(pool)
-        raise
-    if pool is not None:
-        pool.shutdown()
     conditions: list[ConditionResult] = []
     divergences = list(total.divergences)
     for (cond, (index, count, found)), (small, evals) in zip(order, shrunk, strict=True):
@@ -1194,7 +1188,7 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
     pool = _executor(jobs)
     distinct: dict[tuple[str, str, str], RunFinding] = {}
     coverage: dict[str, int] = {}
-    try:
+    with owned(pool):
         results = pool_map(pool, _run_unit, units, _AHEAD * jobs) if pool else map(_run_unit, units)
         for done, found, seen in results:
             for k, v in seen.items():
@@ -1207,12 +1201,6 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
                     have.count += 1
             if progress is not None:
                 progress(done)
-    except BaseException:   # an interrupt: end the workers now, never wait for the pool
-        if pool is not None:
-            stop_pool(pool)
-        raise
-    if pool is not None:
-        pool.shutdown()
     wall = time.perf_counter() - t0
     findings = sorted(distinct.values(), key=lambda f: (f.index, f.logic))
     origin = command or f"kvsim fuzz --runs {runs} --seed {seed}" + (" --copy-path" if copy_path else "")

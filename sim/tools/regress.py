@@ -23,7 +23,7 @@ from typing import Any
 
 from sim.errors import InputError
 from sim.io.check import evaluate, iter_check_files, load_check_file, parse_check, summarize
-from sim.tools.run import stop_pool, worker_init
+from sim.tools.run import owned, worker_init
 
 __all__ = ["CaseResult", "run_library", "write_junit"]
 
@@ -81,13 +81,8 @@ def run_library(root: Path, jobs: int | None = None) -> list[CaseResult]:
     if workers <= 1:
         return [run_case(p) for p in paths]
     pool = ProcessPoolExecutor(max_workers=workers, initializer=worker_init, initargs=(os.getpid(),))
-    try:
-        results = list(pool.map(run_case, paths, chunksize=max(1, len(paths) // (4 * workers))))
-    except BaseException:   # an interrupt: end the workers now, never wait for the pool
-        stop_pool(pool)
-        raise
-    pool.shutdown()
-    return results
+    with owned(pool):
+        return list(pool.map(run_case, paths, chunksize=max(1, len(paths) // (4 * workers))))
 
 
 def library_table(results: list[CaseResult], root: Path) -> str:

@@ -13,7 +13,8 @@ Signals and worker processes (shared by run, compare and sweep)
     ``128 + signal``: 130, 143); :func:`worker_init` makes a pool worker
     leave Ctrl-C to its parent and die with it (``PR_SET_PDEATHSIG`` on
     Linux, and a thread that watches the parent's pid everywhere), and
-    :func:`stop_pool` ends a pool's workers at once; :func:`pool_map` is the
+    :func:`stop_pool` ends a pool's workers at once, :func:`owned` does so when
+    an interrupt leaves the block that owns the pool; :func:`pool_map` is the
     pool's ``map`` with a bounded number of tasks submitted, ending the pool
     at once when its consumer is interrupted.
 """
@@ -49,8 +50,8 @@ from sim.io.workload import Request
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "pool_map", "signal_name", "signal_of",
-           "stop_pool", "worker_init"]
+__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "owned", "pool_map", "signal_name",
+           "signal_of", "stop_pool", "worker_init"]
 
 
 # -- signals and worker processes --------------------------------------------------------
@@ -168,6 +169,22 @@ def stop_pool(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+
+
+@contextlib.contextmanager
+def owned(pool: ProcessPoolExecutor | None) -> Iterator[None]:
+    """Own ``pool`` (None: no pool) for a block: when the block ends, shut it down as usual
+    (waiting for its workers); when an exception leaves the block (an interrupt, a
+    worker's error), end it at once with :func:`stop_pool`, never waiting for it."""
+    if pool is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
 
 
 def pool_map(pool: ProcessPoolExecutor, fn: Callable[[_T], _R], items: Iterable[_T],
