@@ -54,12 +54,20 @@ def test_a_consumer_that_stops_early_ends_the_workers_at_once():
     t0 = time.monotonic()
     gen.close()          # what an interrupt in the consumer's loop comes to
     assert time.monotonic() - t0 < 5
+    # a process whose exit was seen (its sentinel) can take a moment more to be reaped
+    while any(p.is_alive() for p in workers) and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
     assert not any(p.is_alive() for p in workers)
 
 
 def test_an_error_in_a_task_reaches_the_consumer_and_ends_the_pool():
     pool = _pool()
+    workers = []
     with pytest.raises(TypeError):
-        list(pool_map(pool, _square, [1, 2, "x", 4], ahead=2))   # type: ignore[list-item]
-    assert not any(p.is_alive() for p in (pool._processes or {}).values())
+        for _ in pool_map(pool, _square, [1, 2, "x", 4], ahead=2):   # type: ignore[list-item]
+            workers = list(pool._processes.values())
+    t0 = time.monotonic()
+    while any(p.is_alive() for p in workers) and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert workers and not any(p.is_alive() for p in workers)
 
