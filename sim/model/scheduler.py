@@ -636,8 +636,10 @@ class Scheduler:
         self.requests: dict[str, LiveRequest] = {}
         self.running: list[LiveRequest] = []
         self.waiting: deque[LiveRequest] = deque()
-        #: requests skipped (deferred, or waiting for their load): in front of ``waiting``
+        #: requests skipped (deferred, or waiting for their load): in front of ``waiting``;
+        #: under vLLM 0.33 only those that hold KV blocks (the others go back to ``waiting``)
         self.skipped: deque[LiveRequest] = deque()
+        self._requeue_without_kv = profile(cfg.window_logic).requeues_skipped_without_kv
         #: finished in the last update: their final stores come with the next step
         self.finished_pending: list[LiveRequest] = []
         #: jobs of the plans handed out and not yet reported complete
@@ -811,7 +813,17 @@ class Scheduler:
             running.append(r)
             sched.append(Scheduled(r, res.num_new_tokens, res.new_block_ids))
             budget -= res.num_new_tokens
-        self.skipped.extendleft(step_skipped)
+        if self._requeue_without_kv:
+            # vLLM 0.33: kv_holding_waiting keeps those that hold blocks; the others go back
+            # to the front of waiting, in the order they were skipped
+            holding: deque[LiveRequest] = deque()
+            bare: deque[LiveRequest] = deque()
+            for r in step_skipped:
+                (holding if r.status is _WAITING_FOR_KV or r.num_computed > 0 else bare).append(r)
+            self.skipped.extendleft(holding)
+            self.waiting.extendleft(bare)
+        else:
+            self.skipped.extendleft(step_skipped)
 
     def _admit(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
         """Try to admit the waiting request at the head of the queue."""

@@ -38,6 +38,7 @@ null block in a stored chunk     last block checked      last block checked     
 store index at a lookup          kept                    kept                       restarts at chunk 0
 CPU recency (LRU / ARC)          touch at lookup, store  touch at lookup, store     per request, at finish
 ARC, T1 and T2 both declined    eviction refused        last victim from T1        last victim from T1
+skipped request holding no KV    skipped queue (first)   skipped queue (first)      front of the waiting queue
 ===============================  ======================  =========================  =========================
 
 The window chunks feed the lookup order (window groups by ``w_g``
@@ -56,6 +57,14 @@ by default).
 CPU eviction under ARC: when neither T1's turn nor T2 yields a victim, 0.30
 and 0.33 take one from T1 as a last resort; 0.29 refuses the eviction (and
 so the store): ``arc_t1_last_resort``.
+
+The waiting queues: a request the scheduler skips in a step (its lookup
+deferred, or its load still in flight) goes, in 0.29 and 0.30, to a
+``skipped_waiting`` queue that the next step drains before ``waiting``;
+0.33 keeps only the requests that hold KV blocks (a load in flight, or
+tokens already computed) in such a queue (``kv_holding_waiting``) and puts
+the others back at the front of ``waiting``, where a request preempted
+later goes in front of them: ``requeues_skipped_without_kv``.
 """
 
 
@@ -105,6 +114,9 @@ class WindowProfile:
     #: ARC takes a last-resort victim from T1 when T2 has none (0.30 on; 0.29
     #: refuses the eviction)
     arc_t1_last_resort: ClassVar[bool] = True
+    #: a skipped request that holds no KV blocks goes back to the front of the
+    #: waiting queue, not to the queue of skipped requests drained first (0.33)
+    requeues_skipped_without_kv: ClassVar[bool] = False
 
     # -- group configuration ----------------------------------------------------------
 
@@ -422,12 +434,14 @@ def latest_window_chunks(group: GroupSpec, tpc: int) -> int | None:
 class _Latest(_New):
     """vLLM 0.33.0: NEW plus ``extra_retained_tokens`` in every window size
     (lookup window, load window, store mask), a chunk with a reachable null
-    block is not stored, the store index restarts at each lookup, and CPU
-    recency is request-scoped (no touches; see docs/latest.md)."""
+    block is not stored, the store index restarts at each lookup, CPU
+    recency is request-scoped (no touches; see docs/latest.md), and a
+    skipped request without KV blocks waits in the waiting queue."""
 
     logic = WindowLogic.LATEST
     restarts_store_index_on_lookup = True
     request_scoped_recency = True
+    requeues_skipped_without_kv = True
 
     def window_chunks(self, layout: Layout) -> tuple[int | None, ...]:
         return tuple(latest_window_chunks(g, t) for g, t in zip(layout.groups, layout.tokens_per_chunk,

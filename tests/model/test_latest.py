@@ -273,6 +273,14 @@ class LatestRow:
     latest: object
 
 
+def skipped_without_kv(prof: WindowProfile) -> object:
+    # the scheduler's waiting queues (tests/model/test_scheduler.py, deferred_behind_preempted):
+    # 0.30 keeps the deferred b in skipped_waiting and looks it up again before the preempted c;
+    # 0.33 puts b back at the front of waiting, behind c, and stops at c
+    from tests.model.test_scheduler import deferred_behind_preempted
+    return deferred_behind_preempted(prof.logic.value)
+
+
 LATEST_ROWS = [
     LatestRow("window chunks of a window group", "profile", window_chunks,
               ((None, 2, 2), (0, 1, 2)), ((None, 2, 3), (0, 2, 1))),
@@ -292,6 +300,8 @@ LATEST_ROWS = [
               (0, 1, 2, 3, 4, 5), (1, 2, 3, 4, 5)),
     LatestRow("store index at a lookup", "evicted-then-recomputed", store_index, (), ((0, 0), (0, 1))),
     LatestRow("CPU recency (LRU / ARC)", "tail-first", cpu_recency, (0,), (1,)),
+    LatestRow("skipped request holding no KV", "behind-a-preempted-one", skipped_without_kv,
+              (("b", "|"), ("b", "|", "c"), True), (("|", "b"), ("|", "c", "b"), False)),
 ]
 
 

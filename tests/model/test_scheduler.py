@@ -4,6 +4,7 @@ preemption, async loads, lookup deferral, rejection, the decode fast-forward."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -182,6 +183,61 @@ def test_lookup_deferral_is_counted_and_retried_next_step() -> None:
     plan, _ = w.step()
     assert plan.admitted == (b,) and [j.chunks for j in plan.loads] == [4]
     assert b.status is RequestStatus.WAITING_FOR_KV and b.deferrals == 2 and b.cpu_hit_tokens == 64
+
+
+def deferred_behind_preempted(logic: str) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``b``'s chunks stay pending, so its lookup defers every step while ``a`` and ``c``
+    decode in an 11-block pool (their stores complete at once) until ``c`` is preempted,
+    as in the preemption test above; the step after that, ``c`` does not fit (its whole
+    input needs 6 blocks) and admission stops at it. Returns the queues (skipped ids, "|",
+    waiting ids) after ``b``'s first deferral and after the step that follows the
+    preemption, and whether that step looked ``b`` up again."""
+    w = World(gpu_blocks=11, prefix_caching=False, cpu_capacity_chunks=40, window_logic=logic)
+    cpu = w.sched.cpu
+    assert cpu is not None
+    rb = make_request("b", 72, 4, prefix=3)
+    assert cpu.prepare_store(FA16.offload_keys(0, rb.block_hashes[: 72 // 16])) is not None
+    w.add("a", 64, 40, prefix=1)
+    c = w.add("c", 64, 40, prefix=2)
+    b = w.sched.add_request(rb)
+    done: list[LoadPlan | StorePlan] = []
+
+    def step() -> StepPlan:
+        nonlocal done
+        plan, _ = w.step(done)
+        done = [j.plan for j in plan.stores]     # every store completes during the next step
+        return plan
+
+    def ids(q: object) -> tuple[str, ...]:
+        return tuple(r.req_id for r in q)  # type: ignore[attr-defined]
+
+    plan = step()
+    assert batch(plan) == [("a", 64), ("c", 64)] and b.deferrals == 1
+    first = (*ids(w.sched.skipped), "|", *ids(w.sched.waiting))
+    while not plan.preempted:
+        plan = step()
+    assert plan.preempted == (c,)
+    deferrals = b.deferrals
+    plan = step()
+    assert not plan.admitted and c.status is RequestStatus.WAITING and c.num_computed == 0
+    after = (*ids(w.sched.skipped), "|", *ids(w.sched.waiting))
+    return first, after, b.deferrals > deferrals
+
+
+@pytest.mark.parametrize("logic", ["old", "new", "latest"])
+def test_where_a_deferred_request_waits_behind_a_preempted_one(logic: str) -> None:
+    """vLLM 0.29/0.30 keep a skipped request in ``skipped_waiting``, drained before
+    ``waiting``: after the preemption ``b`` is looked up again before ``c``, which then
+    does not fit. vLLM 0.33 puts a skipped request that holds no KV blocks back at the
+    front of ``waiting``, where the preempted ``c`` goes in front of it: ``c`` does not
+    fit, admission stops, and ``b`` is not looked up in that step (found by
+    ``--decisions differential`` against vLLM 0.33.0 on gemma-3-27b; docs/vllm.md,
+    finding 12)."""
+    first, after, looked_up = deferred_behind_preempted(logic)
+    if logic == "latest":
+        assert first == ("|", "b") and after == ("|", "c", "b") and not looked_up
+    else:
+        assert first == ("b", "|") and after == ("b", "|", "c") and looked_up
 
 
 def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:

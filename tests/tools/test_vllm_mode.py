@@ -197,3 +197,46 @@ def test_the_mtp_crash_is_a_recorded_outcome(vllm_python: tuple[str, Path], tmp_
         assert list(crashed["req_id"]) == [crashes.iloc[0]["req_id"]]
     else:
         assert summary["end"] == "ok" and crashes.empty
+
+
+#: the gemma-3-27b what-if point that found vLLM 0.33's waiting-queue order (docs/vllm.md,
+#: finding 12): the first 150 Mooncake requests overload one H200, so requests defer their
+#: lookups while others are preempted
+GEMMA_MOONCAKE = """
+schema = "run/1"
+name = "gemma-mooncake"
+[model]
+name = "gemma-3-27b"
+[hardware]
+profile = "h200"
+[cpu_cache]
+capacity = "8GiB"
+policy = "lru"
+[scheduler]
+blocks_per_chunk = 4
+tokens_per_hash = 8
+[workload]
+kind = "mooncake"
+trace = "mooncake-conversation"
+limit = 150
+[costs]
+step = "auto"
+transfer = "hardware"
+"""
+
+
+def test_a_preempted_request_goes_before_deferred_ones(vllm_python: tuple[str, Path], tmp_path: Path,
+                                                       traces_dir: Path) -> None:
+    """Lockstep on the gemma-3-27b point: 0 divergences in every release, with lookups
+    deferred and a request preempted while they wait (so the queues' order is exercised:
+    under 0.33 the preempted request goes in front of the deferred ones)."""
+    _version, python = vllm_python
+    scenario = _write(tmp_path, GEMMA_MOONCAKE, "gemma")
+    out = tmp_path / "diff"
+    r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["differential"]["divergences"] == 0, summary["differential"]
+    assert summary["engine"]["preemptions"] >= 1
+    assert sum(summary["engine"]["deferral_reasons"].values()) > 100
