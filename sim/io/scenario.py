@@ -208,6 +208,7 @@ from sim.model.costs import (
     StepCostModel,
     StepTimeModel,
     TransferModel,
+    TransferPiece,
     roofline_step_model,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
@@ -422,9 +423,9 @@ class _ModelInfo(Strict):
     weights_bytes: Size | None = Field(default=None, gt=0,
                                        description="weight bytes; else params_b x 2 (bf16), else from shape")
     shape: ShapeSection | None = Field(default=None, description="shapes for the step cost (costs.step auto)")
-    kv_transfer_piece: Literal["layer", "block"] | None = Field(
+    kv_transfer_piece: TransferPiece | None = Field(
         default=None, description='copies vLLM makes per GPU block: "layer" (a page per layer, the '
-        'default) or "block" (one packed block)')
+        'default), "block" (one packed block) or "kv" (keys and values apart per layer, vLLM 0.11)')
 
 
 class ModelFile(_ModelInfo):
@@ -1114,7 +1115,7 @@ class ResolvedModel:
     source: str  #: the file the groups came from (for error messages)
     prefix: str  #: key prefix of the groups in that file ("" or "model.")
     shape: ShapeSection | None = None  #: the model's own [shape]
-    kv_transfer_piece: Literal["layer", "block"] = "layer"
+    kv_transfer_piece: TransferPiece = "layer"
     #: the shape the step cost uses: the own one, else the cost_profile model's, with the
     #: groups and weight bytes its parameter count refers to
     cost_shape: ModelShape | None = None

@@ -39,8 +39,8 @@ What it models
 
     *Link.* One direction of the host link (H2D loads, D2H stores): a job
     moves ``pieces`` separate copies (vLLM copies one page per layer per
-    block, or one packed block: :data:`TRANSFER_PIECES`) and takes
-    ``latency + pieces x piece_overhead + bytes / bandwidth``, i.e. the
+    block, one packed block, or, as vLLM 0.11 did, keys and values apart:
+    :data:`TRANSFER_PIECES`) and takes ``latency + pieces x piece_overhead + bytes / bandwidth``, i.e. the
     effective bandwidth of a piece of ``s`` bytes is
     ``s / (piece_overhead + s / bandwidth)`` (:meth:`TransferModel.piece_bandwidth`):
     slow for small pieces, near peak for large ones. While the other
@@ -106,6 +106,7 @@ __all__ = [
     "StepLoad",
     "StepTimeModel",
     "TransferModel",
+    "TransferPiece",
     "attended_tokens",
     "attention_pairs",
     "chunked_prefill_time",
@@ -132,8 +133,11 @@ MAMBA_FLOPS_PER_STATE_ELEMENT = 7
 #: How vLLM cuts one GPU block of a group into copies (``model/1`` key ``kv_transfer_piece``):
 #: ``layer``: one page per layer (vLLM 0.30-0.33 OffloadingConnector worker, every layout but a
 #: packed one); ``block``: one region holding every layer of the block (a packed layout, e.g.
-#: DeepSeek V4, whose layer views' block stride exceeds their page size).
-TRANSFER_PIECES = ("layer", "block")
+#: DeepSeek V4, whose layer views' block stride exceeds their page size, or vLLM 0.12's
+#: cross-layer layout); ``kv``: a page per layer for the keys and another for the values (the
+#: layout vLLM 0.11 offloaded with FlashAttention: a Llama 3.1 8B block in 32 KB pieces).
+TransferPiece = Literal["layer", "block", "kv"]
+TRANSFER_PIECES: tuple[TransferPiece, ...] = ("layer", "block", "kv")
 
 
 def _finite_non_negative(owner: str, name: str, value: float) -> float:
@@ -432,11 +436,15 @@ class TransferModel:
 ZERO_TRANSFER = TransferModel(math.inf, 0.0)
 
 
-def pieces_per_block(spec: GroupSpec, piece: Literal["layer", "block"]) -> int:
-    """Copies vLLM makes for one GPU block of ``spec``: one per layer, or one
-    packed block (a group without a tensor shape counts as one piece)."""
+def pieces_per_block(spec: GroupSpec, piece: TransferPiece) -> int:
+    """Copies vLLM makes for one GPU block of ``spec``: one per layer, one packed
+    block, or (``kv``) two per layer, keys and values apart, for attention that
+    keeps both (an MLA latent or a mamba state stays one page per layer). A group
+    without a tensor shape counts as one piece."""
     if piece == "block" or spec.shape is None:
         return 1
+    if piece == "kv" and spec.kind is not GroupKind.MAMBA and not spec.shape.mla:
+        return 2 * spec.shape.layers
     return spec.shape.layers
 
 

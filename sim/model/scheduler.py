@@ -108,6 +108,7 @@ from sim.model.costs import (
     ZERO_STEP,
     StepLoad,
     StepTimeModel,
+    TransferPiece,
     attended_tokens,
     attention_pairs,
     kv_terms,
@@ -174,7 +175,7 @@ class SchedulerConfig:
     on_crash: Literal["record", "stop"] = "record"
     step_cost: StepTimeModel = ZERO_STEP
     #: how vLLM cuts a GPU block into copies (:data:`sim.model.costs.TRANSFER_PIECES`)
-    transfer_piece: Literal["layer", "block"] = "layer"
+    transfer_piece: TransferPiece = "layer"
     fast_forward: bool = True
     #: False models vLLM run with ``python -O`` (see :class:`OffloadingScheduler`)
     assertions: bool = True

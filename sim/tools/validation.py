@@ -21,6 +21,14 @@ What it models
       cycling over the stored prompts (as many as the CPU cache holds,
       rounded down to a hundred, times the hit rate, so that none is
       evicted before it is hit).
+    * ``layout_ttft_reduction`` and ``layout_throughput_gain``: a published
+      gain of one vLLM release over an earlier one, "up to" some factor. The
+      case's ``baseline`` holds the run keys the earlier release changes
+      (e.g. its KV layout, ``model.kv_transfer_piece = "kv"``); the figure is
+      the largest ratio over the points ``up_to`` of the earlier CPU-hit TTFT
+      to the case's (prompt sizes, as ``ttft_reduction`` replays them), or of
+      the case's throughput to the earlier one (CPU hit rates, as
+      ``throughput_gain`` replays them, every planned hit not required).
 
 Simplifications
     The replay times only the engine: the frontend (``LLM.generate``'s
@@ -64,6 +72,9 @@ TOLERANCE = 0.25
 _GAP_S = 10_000.0
 
 
+Metric = Literal["ttft_reduction", "throughput_gain", "layout_ttft_reduction", "layout_throughput_gain"]
+
+
 class Source(Strict):
     """One publication: where it is and what was measured."""
 
@@ -84,7 +95,7 @@ class PublishedCase(Strict):
 
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]*$", description="case name")
     source: str = Field(description="a key of [sources]")
-    metric: Literal["ttft_reduction", "throughput_gain"] = Field(description="what the figure is")
+    metric: Metric = Field(description="what the figure is")
     model: str = Field(description="a shipped model file (scenarios/models/<name>.toml)")
     gpu: str = Field(description="a shipped hardware profile (scenarios/hardware/<name>.toml)")
     tensor_parallel: int = Field(default=1, gt=0, description="GPUs of the measured engine")
@@ -100,14 +111,30 @@ class PublishedCase(Strict):
         description="the two published figures the ratio is made of, when given (TTFT: cold and CPU-hit s)")
     reading: str = Field(description="how the figure was read: text, table, or off a plot (with its error)")
     run: dict[str, Any] = Field(default_factory=dict, description="run/1 keys of the replay (vLLM settings)")
+    baseline: dict[str, Any] | None = Field(
+        default=None, description="layout_* metrics: run/1 keys the compared (earlier) setup changes")
+    up_to: list[float] | None = Field(
+        default=None, min_length=1, description="layout_* metrics: the figure is the largest ratio over "
+        "these points ('up to'): prompt sizes (layout_ttft_reduction) or CPU hit rates "
+        "(layout_throughput_gain)")
 
     @model_validator(mode="after")
     def _metric_keys(self) -> PublishedCase:
         throughput = self.metric == "throughput_gain"
         if throughput and (self.hit_rate is None or self.requests is None):
             raise ValueError("a throughput_gain case needs hit_rate and requests")
-        if not throughput and (self.hit_rate is not None or self.requests is not None):
-            raise ValueError("hit_rate and requests belong to throughput_gain cases")
+        if self.metric == "layout_throughput_gain" and self.requests is None:
+            raise ValueError("a layout_throughput_gain case needs requests")
+        if not throughput and self.hit_rate is not None:
+            raise ValueError("hit_rate belongs to throughput_gain cases")
+        if self.metric == "ttft_reduction" and self.requests is not None:
+            raise ValueError("requests belongs to throughput cases")
+        layout = self.metric.startswith("layout_")
+        if layout != (self.baseline is not None and self.up_to is not None):
+            raise ValueError("baseline and up_to belong to (and are needed by) layout_* cases")
+        rates = self.up_to if self.metric == "layout_throughput_gain" else None
+        if rates and not all(0 <= h <= 1 for h in rates):
+            raise ValueError("up_to of a layout_throughput_gain case holds CPU hit rates in [0, 1]")
         return self
 
 
@@ -135,9 +162,13 @@ class CaseResult:
 
     case: PublishedCase
     kvsim: float
-    #: the two figures the ratio is made of (cold and CPU-hit TTFT in s, or the two tokens/s)
+    #: the two figures the ratio is made of (cold and CPU-hit TTFT in s, or the two tokens/s;
+    #: layout_* metrics: the earlier setup's CPU-hit TTFT and the case's, or the case's tokens/s
+    #: and the earlier setup's, at the point of the largest ratio)
     numerator: float
     denominator: float
+    #: layout_* metrics: the point of ``up_to`` where the ratio is largest
+    at: float | None = None
 
     @property
     def rel_error(self) -> float:
@@ -298,7 +329,43 @@ def replay(case: PublishedCase, base: Path, *, requests: int | None = None, mfu:
     if case.metric == "ttft_reduction":
         cold, hit = ttft_pair(case, base, mfu)
         return CaseResult(case, cold / hit, cold, hit)
+    if case.metric.startswith("layout_"):
+        return _layout_replay(case, base, requests, mfu)
     assert case.hit_rate is not None
     with_hits = throughput(case, base, case.hit_rate, requests, mfu)
     without = throughput(case, base, 0.0, requests, mfu)
     return CaseResult(case, with_hits / without, with_hits, without)
+
+
+def _merged(run: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the tables of ``change`` merged in, key by key."""
+    out = copy.deepcopy(run)
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _layout_replay(case: PublishedCase, base: Path, requests: int | None, mfu: float | None) -> CaseResult:
+    """The largest ratio over ``up_to`` between the case's setup and its ``baseline`` (the
+    same run with the earlier layout's keys): CPU-hit TTFT earlier / now for each prompt
+    size, or tokens/s now / earlier for each CPU hit rate."""
+    assert case.baseline is not None and case.up_to is not None
+    earlier = case.model_copy(update={"run": _merged(case.run, case.baseline)})
+    best: CaseResult | None = None
+    for point in case.up_to:
+        if case.metric == "layout_ttft_reduction":
+            n = int(point)
+            _, hit_now = ttft_pair(case.model_copy(update={"prompt_tokens": n}), base, mfu)
+            _, hit_then = ttft_pair(earlier.model_copy(update={"prompt_tokens": n}), base, mfu)
+            result = CaseResult(case, hit_then / hit_now, hit_then, hit_now, point)
+        else:
+            now, _, _ = throughput_and_hits(case, base, point, requests, mfu)
+            then, _, _ = throughput_and_hits(earlier, base, point, requests, mfu)
+            result = CaseResult(case, now / then, now, then, point)
+        if best is None or result.kvsim > best.kvsim:
+            best = result
+    assert best is not None
+    return best

@@ -261,6 +261,15 @@ def test_pieces_per_block() -> None:
     assert pieces_per_block(spec, "layer") == 32
     assert pieces_per_block(spec, "block") == 1
     assert pieces_per_block(GroupSpec(GroupKind.FULL, 16), "layer") == 1
+    # vLLM 0.11 with FlashAttention: keys and values apart, a Llama 3.1 8B block in 64 pieces of
+    # 32 KiB (the vLLM blog's table of physical block sizes: "32 KB" old, "2 MB" new)
+    assert pieces_per_block(spec, "kv") == 64
+    assert spec.shape is not None and spec.shape.bytes_per_block(16) // 64 == 32 * 1024
+    mla = GroupSpec(GroupKind.FULL, 64, shape=KVShape(61, 1, 576, mla=True))
+    assert pieces_per_block(mla, "kv") == pieces_per_block(mla, "layer") == 61
+    mamba = GroupSpec(GroupKind.MAMBA, 16, shape=KVShape(4, 8, 128))
+    assert pieces_per_block(mamba, "kv") == 4
+    assert pieces_per_block(GroupSpec(GroupKind.FULL, 16), "kv") == 1
 
 
 def test_piece_overhead_and_the_bandwidth_curve() -> None:
