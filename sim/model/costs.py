@@ -512,11 +512,12 @@ PCIE_JOB_LATENCY_S = 10e-6
 #: Fixed cost of one copy descriptor of a batched DMA copy (cuMemcpyBatchAsync): 2.4-2.6 us
 #: measured per small copy on a PCIe Gen5 x16 host link (MI300X); assumed the same on H100/H200.
 PCIE_PIECE_OVERHEAD_S = 2.5e-6
-#: Rate kept by an H2D / D2H copy while the other direction copies too (nvbandwidth
-#: bidirectional runs on PCIe Gen4 A100: H2D 11-13 GB/s, D2H 24-25 GB/s of 25-26 one-way);
-#: assumed to hold for Gen5.
-PCIE_H2D_DUPLEX_FACTOR = 0.47
-PCIE_D2H_DUPLEX_FACTOR = 0.95
+#: Rate kept by an H2D / D2H copy while the other direction copies too: the vLLM blog's DMA
+#: copies of 2 MB blocks on an H100 (PCIe Gen5) reach about 50 GB/s one way and 83.4 GB/s
+#: with both directions busy, the most with equal amounts each way, i.e. both directions at
+#: the same rate: 83.4 / (2 x 50) each.
+PCIE_H2D_DUPLEX_FACTOR = 0.834
+PCIE_D2H_DUPLEX_FACTOR = 0.834
 #: The engine's host time per step and per scheduled request (sources in docs/costs.md).
 HOST_STEP_S = 1.4e-3
 HOST_PER_REQUEST_S = 15e-6
@@ -528,8 +529,10 @@ _PCIE_SOURCES = (
     "assumption: 55 GB/s effective each way, 10 us per-job latency (see docs/costs.md)",
     "https://github.com/ROCm/clr/issues/273: batched host<->device copies of 4 and 16 KiB at 1.7 and "
     "6.7 GB/s on a PCIe Gen5 x16 link (2.4 us per copy); assumption: the same per-piece cost on H100/H200",
-    "https://github.com/NVIDIA/nvbandwidth/issues/11: bidirectional copies on PCIe Gen4, H2D 12-13 GB/s "
-    "and D2H 24 GB/s of 25-26 GB/s one-way; assumption: the same ratios on Gen5",
+    "https://github.com/vllm-project/vllm-project.github.io/blob/main/_posts/"
+    "2025-12-29-offloading-connector.md: DMA copies of 2 MB blocks on an H100, about 50 GB/s one "
+    "way, 83.4 GB/s both ways at once (equal amounts): a job keeps 0.834 of its rate while the "
+    "other direction copies",
 )
 _HOST_SOURCES = (
     "docs/costs.md sanity check: NIM Llama-3.1-8B batch-1 ITL 4.37 ms vs the 3.0 ms HBM floor at 8-bit "

@@ -179,8 +179,9 @@ def test_gpu_profiles_datasheet_figures() -> None:
             assert 45e9 <= link.bandwidth_bytes_per_s < 63e9
             assert 0.0 <= link.latency_s < 1e-3
             assert link.piece_overhead_s == 2.5e-6
-        # measured bidirectional copies: H2D loses about half, D2H little; the aggregate is below 2x
-        assert (g.h2d.duplex_factor, g.d2h.duplex_factor) == (0.47, 0.95)
+        # measured bidirectional DMA copies on an H100: 83.4 GB/s in all against about 50 one way,
+        # the most with equal amounts each way: both directions keep the same share, below 2x in all
+        assert (g.h2d.duplex_factor, g.d2h.duplex_factor) == (0.834, 0.834)
         assert g.h2d.duplex_factor + g.d2h.duplex_factor < 2.0
         assert g.host == HostOverhead(1.4e-3, 15e-6)
         assert g.sources and all(s for s in g.sources)
