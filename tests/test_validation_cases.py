@@ -104,3 +104,13 @@ def test_vllm_0_12_layout_throughput_gain_is_within_25_percent() -> None:
     assert abs(r.kvsim / 5.0 - 1) <= TOLERANCE, r.kvsim
     assert r.at == 1.0
 
+
+
+def test_a_layout_ttft_case_names_its_largest_point(tmp_path: Path) -> None:
+    text = CASES.read_text(encoding="utf-8")
+    i = text.index('id = "vllm-blog-0.12-layout-ttft"')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text[:i] + text[i:].replace("prompt_tokens = 102400", "prompt_tokens = 1024", 1),
+                   encoding="utf-8")
+    with pytest.raises(InputError, match="largest point of up_to"):
+        load_cases(bad)

@@ -40,7 +40,8 @@ What it models
     *Link.* One direction of the host link (H2D loads, D2H stores): a job
     moves ``pieces`` separate copies (vLLM copies one page per layer per
     block, one packed block, or, as vLLM 0.11 did, keys and values apart:
-    :data:`TRANSFER_PIECES`) and takes ``latency + pieces x piece_overhead + bytes / bandwidth``, i.e. the
+    :data:`TRANSFER_PIECES`) and takes
+    ``latency + pieces x piece_overhead + bytes / bandwidth``, i.e. the
     effective bandwidth of a piece of ``s`` bytes is
     ``s / (piece_overhead + s / bandwidth)`` (:meth:`TransferModel.piece_bandwidth`):
     slow for small pieces, near peak for large ones. While the other

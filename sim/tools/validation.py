@@ -99,7 +99,8 @@ class PublishedCase(Strict):
     model: str = Field(description="a shipped model file (scenarios/models/<name>.toml)")
     gpu: str = Field(description="a shipped hardware profile (scenarios/hardware/<name>.toml)")
     tensor_parallel: int = Field(default=1, gt=0, description="GPUs of the measured engine")
-    prompt_tokens: int = Field(gt=16, le=1_000_000, description="prompt length, tokens")
+    prompt_tokens: int = Field(gt=16, le=1_000_000,
+                               description="prompt length, tokens (layout_ttft_reduction: up_to's largest)")
     hit_rate: float | None = Field(default=None, ge=0, le=1, description="CPU hit rate (throughput_gain)")
     requests: int | None = Field(default=None, gt=0, le=100_000, description="batch size (throughput_gain)")
     distinct_hit_prompts: int | None = Field(
@@ -127,8 +128,10 @@ class PublishedCase(Strict):
             raise ValueError("a layout_throughput_gain case needs requests")
         if not throughput and self.hit_rate is not None:
             raise ValueError("hit_rate belongs to throughput_gain cases")
-        if self.metric == "ttft_reduction" and self.requests is not None:
+        if self.metric in ("ttft_reduction", "layout_ttft_reduction") and self.requests is not None:
             raise ValueError("requests belongs to throughput cases")
+        if self.metric == "layout_ttft_reduction" and self.up_to and self.prompt_tokens != max(self.up_to):
+            raise ValueError("prompt_tokens of a layout_ttft_reduction case is its largest point of up_to")
         layout = self.metric.startswith("layout_")
         if layout != (self.baseline is not None and self.up_to is not None):
             raise ValueError("baseline and up_to belong to (and are needed by) layout_* cases")
