@@ -34,12 +34,17 @@ def test_cases_file_parses_and_names_shipped_files() -> None:
         assert c.reading, c.id
 
 
-def test_a_case_without_its_metric_keys_is_refused(tmp_path: Path) -> None:
-    text = CASES.read_text(encoding="utf-8").replace("hit_rate = 1.0\n", "", 1)
+def refused(tmp_path: Path, text: str, match: str) -> None:
+    """The cases file edited to ``text`` is refused with a message matching ``match``."""
     bad = tmp_path / "bad.toml"
     bad.write_text(text, encoding="utf-8")
-    with pytest.raises(InputError, match="hit_rate and requests"):
+    with pytest.raises(InputError, match=match):
         load_cases(bad)
+
+
+def test_a_case_without_its_metric_keys_is_refused(tmp_path: Path) -> None:
+    refused(tmp_path, CASES.read_text(encoding="utf-8").replace("hit_rate = 1.0\n", "", 1),
+            "hit_rate and requests")
 
 
 def test_vllm_blog_ttft_reduction_at_512_tokens_is_within_25_percent() -> None:
@@ -80,12 +85,9 @@ def test_a_planned_hit_that_found_nothing_is_counted_and_refused_by_the_strict_f
 
 
 def test_a_layout_case_without_its_baseline_is_refused(tmp_path: Path) -> None:
-    text = CASES.read_text(encoding="utf-8").replace('baseline = { model = { kv_transfer_piece = "kv" } }\n',
-                                                     "", 1)
-    bad = tmp_path / "bad.toml"
-    bad.write_text(text, encoding="utf-8")
-    with pytest.raises(InputError, match="baseline and up_to"):
-        load_cases(bad)
+    text = CASES.read_text(encoding="utf-8")
+    refused(tmp_path, text.replace('baseline = { model = { kv_transfer_piece = "kv" } }\n', "", 1),
+            "baseline and up_to")
 
 
 def test_vllm_0_12_layout_ttft_gain_is_within_25_percent() -> None:
@@ -109,8 +111,5 @@ def test_vllm_0_12_layout_throughput_gain_is_within_25_percent() -> None:
 def test_a_layout_ttft_case_names_its_largest_point(tmp_path: Path) -> None:
     text = CASES.read_text(encoding="utf-8")
     i = text.index('id = "vllm-blog-0.12-layout-ttft"')
-    bad = tmp_path / "bad.toml"
-    bad.write_text(text[:i] + text[i:].replace("prompt_tokens = 102400", "prompt_tokens = 1024", 1),
-                   encoding="utf-8")
-    with pytest.raises(InputError, match="largest point of up_to"):
-        load_cases(bad)
+    refused(tmp_path, text[:i] + text[i:].replace("prompt_tokens = 102400", "prompt_tokens = 1024", 1),
+            "largest point of up_to")

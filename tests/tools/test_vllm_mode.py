@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -56,6 +57,18 @@ def _write(tmp: Path, text: str, name: str) -> Path:
     p = tmp / f"{name}.toml"
     p.write_text(text)
     return p
+
+
+def _lockstep(python: Path | str, scenario: Path, tmp: Path,
+              *sets: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    """``kvsim run SCENARIO --decisions differential`` in a vLLM environment (``sets``: its
+    ``--set`` values); the run must exit 0. Returns the process, summary.json and the run folder."""
+    out = tmp / "diff"
+    args = [a for kv in sets for a in ("--set", kv)]
+    r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q", *args,
+               cwd=tmp)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r, json.loads((out / "summary.json").read_text()), out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -140,12 +153,7 @@ def test_a_differential_run(vllm_python: tuple[str, Path], tmp_path: Path) -> No
     with timed transfers; 0 divergences, recorded in summary.json, printed, exit 0; kvsim's
     rows are the run's."""
     version, python = vllm_python
-    scenario = _write(tmp_path, HYBRID, "hybrid")
-    out = tmp_path / "diff"
-    r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
-               cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    r, summary, out = _lockstep(python, _write(tmp_path, HYBRID, "hybrid"), tmp_path)
     diff = summary["differential"]
     assert summary["end"] == "ok" and summary["run"]["decisions"] == "differential"
     assert diff["vllm_version"] == version and diff["logic"] == VLLM_LOGIC_OF[version]
@@ -163,12 +171,8 @@ def test_a_differential_run_with_cpu_evictions(vllm_python: tuple[str, Path], tm
     cache evicts early and often: 0 divergences, evictions included (vLLM 0.33's
     request-scoped LRU and ARC under LATEST, 0.29/0.30's touch-based ones before)."""
     _version, python = vllm_python
-    out = tmp_path / "diff"
-    r = _kvsim(python, "run", str(ROOT / "scenarios" / "default.toml"), "--decisions", "differential",
-               "--out", str(out), "-q", "--set", "workload.sessions=20", "--set", 'cpu_cache.capacity="1GiB"',
-               "--set", f'cpu_cache.policy="{policy}"', cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    _, summary, _ = _lockstep(python, ROOT / "scenarios" / "default.toml", tmp_path, "workload.sessions=20",
+                              'cpu_cache.capacity="1GiB"', f'cpu_cache.policy="{policy}"')
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     # far more stored than fits: the CPU cache evicted
     assert summary["transfers"]["d2h_bytes"] > 4 * 2**30
@@ -231,12 +235,7 @@ def test_a_preempted_request_goes_before_deferred_ones(vllm_python: tuple[str, P
     deferred and a request preempted while they wait (so the queues' order is exercised:
     under 0.33 the preempted request goes in front of the deferred ones)."""
     _version, python = vllm_python
-    scenario = _write(tmp_path, GEMMA_MOONCAKE, "gemma")
-    out = tmp_path / "diff"
-    r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
-               cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    _, summary, _ = _lockstep(python, _write(tmp_path, GEMMA_MOONCAKE, "gemma"), tmp_path)
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     assert summary["engine"]["preemptions"] >= 1
     assert sum(summary["engine"]["deferral_reasons"].values()) > 100
