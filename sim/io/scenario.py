@@ -394,6 +394,9 @@ class ShapeSection(Strict):
                                       description="parameters per token, embeddings included")
     weight_dtype: Annotated[str, BeforeValidator(_check_dtype)] = Field(
         default="bf16", description="dtype of the weights (weights_bytes overrides)")
+    expert_weights_bytes: Size | None = Field(
+        default=None, gt=0, le=MAX_BYTES, description="bytes of the routed experts, all layers (when stored "
+        "unlike the other weights); else weight_dtype bytes per routed-expert parameter")
 
     @model_validator(mode="after")
     def _consistent(self) -> ShapeSection:
@@ -408,6 +411,9 @@ class ShapeSection(Strict):
         if self.experts and self.expert_intermediate_size == 0:
             raise _ProblemError("experts without expert_intermediate_size", "a positive size",
                                 "expert_intermediate_size")
+        if self.expert_weights_bytes is not None and not self.experts:
+            raise _ProblemError("expert_weights_bytes without experts", "experts > 0, or no "
+                                "expert_weights_bytes", "expert_weights_bytes")
         if not self.experts and self.params is None and self.intermediate_size == 0:
             raise _ProblemError("a dense model without intermediate_size", "a positive size, or experts, "
                                 "or params and active_params", "intermediate_size")
@@ -1176,6 +1182,11 @@ def model_shape(name: str, shape: ShapeSection, groups: Sequence[ModelGroup], we
     Raises:
         InputError: the shape does not cover the groups.
     """
+    if weights_bytes is not None and (shape.expert_weights_bytes or 0) > weights_bytes:
+        raise InputError(source, f"{prefix}shape.expert_weights_bytes",
+                         f"{shape.expert_weights_bytes} bytes of experts exceed weights_bytes "
+                         f"{weights_bytes}",
+                         "at most the model's weights_bytes")
     ms = ModelShape(name=name, hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
                     query_heads=shape.query_heads, intermediate_size=shape.intermediate_size,
                     tied_embeddings=shape.tied_embeddings, experts=shape.experts,
@@ -1184,7 +1195,8 @@ def model_shape(name: str, shape: ShapeSection, groups: Sequence[ModelGroup], we
                     shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
                     mamba_state_elements=shape.mamba_state_elements, params=shape.params,
                     active_params=shape.active_params, weight_bytes=weights_bytes,
-                    weight_dtype_bytes=DTYPE_BYTES[shape.weight_dtype])
+                    weight_dtype_bytes=DTYPE_BYTES[shape.weight_dtype],
+                    expert_weight_bytes=shape.expert_weights_bytes)
     specs = [group_spec(g, 1) for g in groups]
     if shape.params is None and any(g.mla or g.kind == "mamba" for g in groups):
         raise InputError(source, f"{prefix}shape.params", "the parameter count of a model with mamba or "
@@ -1200,6 +1212,11 @@ def model_shape(name: str, shape: ShapeSection, groups: Sequence[ModelGroup], we
     if active <= ms.embedding_params * (1 if ms.tied_embeddings else 2):
         raise InputError(source, f"{prefix}shape", f"{active} active parameters are no more than the "
                          "embedding tables", "active_params that include the embeddings and the layers")
+    if ms.experts and ms.routed_expert_bytes(specs) > ms.total_weight_bytes(specs):
+        raise InputError(source, f"{prefix}shape.expert_weights_bytes",
+                         f"{ms.routed_expert_bytes(specs)} bytes of experts exceed the "
+                         f"{ms.total_weight_bytes(specs)} bytes of all the weights",
+                         "at most the model's weights_bytes")
     return ms
 
 

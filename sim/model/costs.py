@@ -16,7 +16,8 @@ What it models
                + max(compute_s, memory_s)
           compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu)
                     + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
-          memory_s  = (weight_bytes + kv_read_bytes) / (hbm_bandwidth x mbu)
+          memory_s  = (weight_bytes - expert_bytes x (1 - k/E)^tokens + kv_read_bytes)
+                      / (hbm_bandwidth x mbu)
 
       per worker (tensor parallelism divides FLOPs, weights and KV). The
       pairs of a request with ``p`` tokens already computed and ``c`` new
@@ -66,9 +67,15 @@ Simplifications
       parallelism are free; attention reads each request's attended KV once
       per step; a prefill's attention FLOPs are counted exactly per causal
       mask (no tile padding).
-    * A mixture-of-experts step reads every expert's weights (right for
-      serving batches, pessimistic for a batch of one sequence) and computes
-      with the active parameters only.
+    * A mixture-of-experts step reads the routed experts its tokens use, in
+      expectation under independent uniform routing: of ``T`` tokens (prefill
+      and decode) each routed to ``k`` of ``E`` experts, an expert stays idle
+      with probability ``(1 - k/E)^T``, and its weights are not read (a batch of
+      one decode token reads ``k`` experts per layer, 64 tokens of
+      Qwen3-30B-A3B 98 % of them). Real routers are skewed, which leaves more
+      experts idle: for given per-expert loads the uniform case touches the
+      most experts, so this errs towards reading too much. It computes with the
+      active parameters only; expert parallelism is not modelled.
     * A transfer piece's cost does not depend on pinned vs pageable host
       memory or on vLLM's Triton path for small H2D pages (below 28 KiB).
 
@@ -325,13 +332,16 @@ class RooflineStepModel:
         token_flops: FLOPs per new token (prefill or decode) outside attention.
         sample_flops: FLOPs of the LM head, per scheduled request.
         pair_flops: per KV cache group, FLOPs per query-key pair (mamba: per state update).
-        weight_bytes: weight bytes read once per step.
+        weight_bytes: bytes of all the weights (read once per step, but for idle routed experts).
         flops_per_s: effective FLOP/s (peak x mfu).
         bytes_per_s: effective HBM bytes/s (peak x mbu).
         pair_flops_per_s: per KV cache group, the effective FLOP/s of its pairs (attention
             kernels reach a different fraction of peak than the matmuls); empty: every
             group at ``flops_per_s``.
         host: the engine's own time per step.
+        expert_bytes: the routed experts' share of ``weight_bytes`` (0: a dense model).
+        expert_idle: the chance that one token leaves a given routed expert idle,
+            ``1 - experts_per_token / experts``, in [0, 1).
     """
 
     token_flops: float
@@ -342,11 +352,20 @@ class RooflineStepModel:
     bytes_per_s: float
     host: HostOverhead = HostOverhead()
     pair_flops_per_s: tuple[float, ...] = ()
+    expert_bytes: float = 0.0
+    expert_idle: float = 0.0
 
     def __post_init__(self) -> None:
         o = "RooflineStepModel"
-        for name in ("token_flops", "sample_flops", "weight_bytes"):
+        for name in ("token_flops", "sample_flops", "weight_bytes", "expert_bytes"):
             object.__setattr__(self, name, _finite_non_negative(o, name, getattr(self, name)))
+        if self.expert_bytes > self.weight_bytes:
+            raise ValueError(f"{o}.expert_bytes ({self.expert_bytes}) exceeds weight_bytes "
+                             f"({self.weight_bytes})")
+        idle = float(self.expert_idle)
+        if not 0.0 <= idle < 1.0:  # also rejects NaN
+            raise ValueError(f"{o}.expert_idle must be in [0, 1), got {self.expert_idle!r}")
+        object.__setattr__(self, "expert_idle", idle)
         object.__setattr__(self, "pair_flops",
                            tuple(_finite_non_negative(o, "pair_flops", v) for v in self.pair_flops))
         object.__setattr__(self, "flops_per_s", _positive(o, "flops_per_s", self.flops_per_s, allow_inf=True))
@@ -370,9 +389,22 @@ class RooflineStepModel:
             t += f * n / r
         return t
 
+    def weights_read(self, load: StepLoad) -> float:
+        """Weight bytes the step reads: every weight but the routed experts that none of
+        its ``prefill_tokens + decode_seqs`` tokens is routed to, in expectation under
+        independent uniform routing (``expert_bytes x expert_idle ^ tokens`` left unread)."""
+        if not self.expert_idle:
+            return self.weight_bytes
+        tokens = load.prefill_tokens + load.decode_seqs
+        return self.weight_bytes - self.expert_bytes * self.expert_idle ** tokens
+
+    def step_bytes(self, load: StepLoad) -> float:
+        """The step's bytes: :meth:`weights_read` and the attended KV."""
+        return self.weights_read(load) + load.kv_read_bytes
+
     def memory_s(self, load: StepLoad) -> float:
-        """The step's bytes (weights once, attended KV) over the effective bandwidth."""
-        return (self.weight_bytes + load.kv_read_bytes) / self.bytes_per_s
+        """The step's bytes (:meth:`step_bytes`) over the effective bandwidth."""
+        return self.step_bytes(load) / self.bytes_per_s
 
     def time(self, load: StepLoad) -> float:
         """Seconds the step takes: host overhead plus the larger of compute and memory time."""
@@ -640,6 +672,9 @@ class ModelShape:
         active_params: parameters a token passes through (embedding tables included).
         weight_bytes: bytes of the weights, when not ``weight_dtype_bytes x params``.
         weight_dtype_bytes: bytes per parameter (2: bf16).
+        expert_weight_bytes: bytes of the routed experts (every expert of every layer), when
+            not ``weight_dtype_bytes x`` :meth:`routed_expert_params` (experts stored in
+            another format than the rest, e.g. MXFP4); part of the weights.
     """
 
     name: str
@@ -657,6 +692,7 @@ class ModelShape:
     active_params: int | None = None
     weight_bytes: int | None = None
     weight_dtype_bytes: int = 2
+    expert_weight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         o = f"ModelShape({self.name!r})"
@@ -675,6 +711,11 @@ class ModelShape:
                              "expert_intermediate_size")
         if not self.experts and self.params is None and self.intermediate_size <= 0:
             raise ValueError(f"{o}: a dense model needs intermediate_size (or params and active_params)")
+        if self.expert_weight_bytes is not None:
+            if not self.experts or self.expert_weight_bytes <= 0:
+                raise ValueError(f"{o}: expert_weight_bytes needs experts and a positive size")
+            if self.weight_bytes is not None and self.expert_weight_bytes > self.weight_bytes:
+                raise ValueError(f"{o}: expert_weight_bytes exceeds weight_bytes")
 
     @property
     def embedding_params(self) -> int:
@@ -723,6 +764,30 @@ class ModelShape:
         if self.weight_bytes is not None:
             return self.weight_bytes
         return self.weight_dtype_bytes * self.param_counts(groups)[0]
+
+    def routed_expert_params(self, groups: Sequence[GroupSpec]) -> int:
+        """Parameters of the routed experts, all of them in every layer: the parameters
+        a token does not pass through are ``experts - experts_per_token`` of them, so
+        ``(total - active) x experts / (experts - experts_per_token)`` (the shared
+        expert and everything else is in both counts). 0 for a dense model, or when
+        every expert is active."""
+        e, k = self.experts, self.experts_per_token
+        if not e or k >= e:
+            return 0
+        total, active = self.param_counts(groups)
+        return (total - active) * e // (e - k)
+
+    def routed_expert_bytes(self, groups: Sequence[GroupSpec]) -> int:
+        """Bytes of the routed experts: ``expert_weight_bytes``; else
+        ``weight_dtype_bytes x`` :meth:`routed_expert_params` when the weights are
+        counted that way too; else (``weight_bytes`` given alone) their share of the
+        weight bytes in proportion to parameters (an assumption: same format)."""
+        if self.expert_weight_bytes is not None:
+            return self.expert_weight_bytes
+        params = self.routed_expert_params(groups)
+        if self.weight_bytes is None:
+            return self.weight_dtype_bytes * params
+        return self.weight_bytes * params // self.param_counts(groups)[0]
 
 
 def group_span(spec: GroupSpec) -> int:
@@ -801,6 +866,7 @@ def roofline_step_model(
             f = 4 * shape.query_heads * head * layers
             pair_rates.append(gpu.dense_bf16_flops * attention_efficiency)
         pair_flops.append(f / tp)
+    expert_bytes = shape.routed_expert_bytes(pgroups)
     return RooflineStepModel(
         token_flops=2.0 * max(body, 0) / tp,
         sample_flops=2.0 * emb / tp,
@@ -810,6 +876,8 @@ def roofline_step_model(
         bytes_per_s=gpu.hbm_bandwidth_bytes_per_s * mbu,
         host=gpu.host if host is None else host,
         pair_flops_per_s=tuple(pair_rates),
+        expert_bytes=expert_bytes / tp,
+        expert_idle=1.0 - shape.experts_per_token / shape.experts if expert_bytes else 0.0,
     )
 
 

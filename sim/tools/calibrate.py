@@ -492,7 +492,7 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     assert len(ends) == len(rec_model.times), "one recorded load per computed step"
     loads = rec_model.loads
     flops = np.array([model.compute_s(x) * model.flops_per_s for x in loads], dtype=float)
-    nbytes = np.array([model.weight_bytes + x.kv_read_bytes for x in loads], dtype=float)
+    nbytes = np.array([model.step_bytes(x) for x in loads], dtype=float)
     return Replay(col("arrival_s"), col("first_token_s"), col("finish_s"), np.array(ends, dtype=float),
                   np.array(rec_model.times, dtype=float), np.array([x.requests for x in loads], dtype=float),
                   flops, nbytes)

@@ -683,6 +683,11 @@ def test_bad_link_and_host_figures_are_one_line(tmp_path: Path, extra: str, key:
      "model.shape.speed", "hidden_size"),
     ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
      "params = 10, active_params = 20 }", "model.shape.active_params", "<="),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, intermediate_size = 8, "
+     "expert_weights_bytes = \"1 GB\" }", "model.shape.expert_weights_bytes", "experts > 0"),
+    ("{ hidden_size = 1024, vocab_size = 32000, query_heads = 16, experts = 8, experts_per_token = 2, "
+     "expert_intermediate_size = 64, expert_weights_bytes = \"1 TB\" }", "model.shape.expert_weights_bytes",
+     "at most"),
 ])
 def test_bad_shapes_are_one_line(tmp_path: Path, shape: str, key: str, allowed: str):
     text = MINIMAL.replace('name = "hybrid-demo"', INLINE_GROUPS + f"shape = {shape}\n")

@@ -197,12 +197,75 @@ def test_h200_not_slower_and_tensor_parallel_splits() -> None:
     assert two.pair_flops[0] == pytest.approx(a.pair_flops[0] / 2)
 
 
-def test_moe_computes_with_active_and_reads_all_weights() -> None:
+def test_moe_computes_with_active_and_reads_the_experts_its_tokens_use() -> None:
     m = step_model_for("h100", "qwen3-30b-a3b")
     shape, groups = shipped("qwen3-30b-a3b")
     total, active = shape.param_counts(groups)
     assert m.weight_bytes == 2 * total
     assert m.token_flops == 2 * (active - 2 * 151936 * 2048)
+    # the routed experts by hand: 48 layers x 128 experts x a gated MLP of 2048 x 768
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert shape.routed_expert_params(groups) == experts
+    assert m.expert_bytes == 2 * experts
+    assert m.expert_idle == 1 - 8 / 128
+    # one decode token reads its 8 experts per layer: the active parameters' bytes
+    one = StepLoad(decode_seqs=1, requests=1)
+    assert m.weights_read(one) == pytest.approx(2 * active, rel=1e-12)
+    # 64 tokens leave an expert idle with probability (120/128)^64, about 1.6 %
+    wide = StepLoad(prefill_tokens=60, decode_seqs=4, requests=5)
+    assert m.weights_read(wide) == pytest.approx(2 * total - 2 * experts * (120 / 128) ** 64, rel=1e-12)
+    assert 0.98 < (m.weights_read(wide) - (2 * total - 2 * experts)) / (2 * experts) < 0.99
+    # a prefill chunk of thousands of tokens reads every expert
+    assert m.weights_read(StepLoad(prefill_tokens=8192, requests=1)) == pytest.approx(2 * total, rel=1e-12)
+    # so a batch-1 decode step is about the active weights' read, not the whole model's
+    ctx = StepLoad(decode_seqs=1, requests=1, kv_read_bytes=1000 * 98_304, pairs=(1000,))
+    g = GPU_PROFILES["h100"]
+    bandwidth = g.hbm_bandwidth_bytes_per_s * 0.8
+    assert m.memory_s(ctx) == pytest.approx((2 * active + 1000 * 98_304) / bandwidth)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "llama-4-scout", "qwen3-next-80b-a3b",
+                                  "deepseek-v4-style"])
+def test_moe_weights_read_grow_with_the_tokens_from_active_to_all(name: str) -> None:
+    tp = 2 if name in ("llama-4-scout", "qwen3-next-80b-a3b", "deepseek-v4-style") else 1
+    tph = 8 if name == "deepseek-v4-style" else 16
+    m = step_model_for("h200", name, tensor_parallel=tp, tokens_per_hash=tph)
+    assert 0 < m.expert_bytes < m.weight_bytes
+    reads = [m.weights_read(StepLoad(decode_seqs=n, requests=n)) for n in (1, 2, 8, 64, 512, 10**5)]
+    assert reads == sorted(reads) and len(set(reads)) > 3
+    assert reads[-1] == pytest.approx(m.weight_bytes, rel=1e-9)
+    # one token: everything but the experts, and experts_per_token / experts of them
+    shape, _ = shipped(name)
+    want = m.weight_bytes - m.expert_bytes + m.expert_bytes * shape.experts_per_token / shape.experts
+    assert reads[0] == pytest.approx(want, rel=1e-12)
+
+
+def test_moe_expert_bytes_given_derived_or_in_proportion() -> None:
+    # gpt-oss-120b states its MXFP4 experts' bytes: 114,661,785,600 parameters at 4.25 bits
+    shape, groups = shipped("gpt-oss-120b")
+    assert shape.routed_expert_bytes(groups) == 114_661_785_600 * 17 // 32
+    # the derived count comes within 0.1 % of the recount (biases and sinks aside)
+    assert shape.routed_expert_params(groups) == pytest.approx(114_661_785_600, rel=1e-3)
+    # weights given without the experts' bytes: their share in proportion to parameters
+    plain = dataclasses.replace(shape, expert_weight_bytes=None)
+    total = shape.param_counts(groups)[0]
+    assert plain.routed_expert_bytes(groups) == 65_248_815_744 * plain.routed_expert_params(groups) // total
+    # a dense model, or one whose every expert is active, has no routed experts to skip
+    dense, dgroups = shipped("llama-3.1-8b")
+    assert dense.routed_expert_params(dgroups) == 0
+    m = step_model_for("h100", "llama-3.1-8b")
+    assert m.expert_bytes == 0 and m.weights_read(StepLoad(decode_seqs=1, requests=1)) == m.weight_bytes
+    every = ModelShape("m", 64, 100, 2, experts=4, experts_per_token=4, expert_intermediate_size=8)
+    spec = [GroupSpec(GroupKind.FULL, 16, shape=KVShape(2, 1, 8))]
+    assert every.routed_expert_params(spec) == 0
+    with pytest.raises(ValueError, match="expert_weight_bytes"):
+        ModelShape("m", 8, 8, 1, intermediate_size=8, expert_weight_bytes=10)
+    with pytest.raises(ValueError, match="exceeds"):
+        dataclasses.replace(shape, expert_weight_bytes=shape.weight_bytes + 1)
+    with pytest.raises(ValueError, match="expert_idle"):
+        RooflineStepModel(1.0, 1.0, (), 10.0, 1.0, 1.0, expert_bytes=5.0, expert_idle=1.0)
+    with pytest.raises(ValueError, match="exceeds"):
+        RooflineStepModel(1.0, 1.0, (), 10.0, 1.0, 1.0, expert_bytes=11.0, expert_idle=0.5)
 
 
 def test_pair_flops_per_kind() -> None:
@@ -293,9 +356,11 @@ def test_transfer_rejects_bad_duplex_factor(factor: float) -> None:
 counts = st.integers(min_value=0, max_value=10**6)
 
 
-@given(counts, counts, counts, st.integers(0, 10**12), counts, counts)
-def test_roofline_time_is_monotone_in_every_input(p: int, d: int, n: int, kv: int, a: int, b: int) -> None:
-    m = RooflineStepModel(2e9, 5e8, (3e4, 7e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5))
+@given(counts, counts, counts, st.integers(0, 10**12), counts, counts, st.sampled_from([0.0, 0.5, 0.97]))
+def test_roofline_time_is_monotone_in_every_input(p: int, d: int, n: int, kv: int, a: int, b: int,
+                                                  idle: float) -> None:
+    m = RooflineStepModel(2e9, 5e8, (3e4, 7e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5),
+                          expert_bytes=3e9 if idle else 0.0, expert_idle=idle)
     base = StepLoad(p, d, 0.0, n, kv, (a, b))
     t = m.time(base)
     assert t >= 1e-3 + 2e-5 * n
