@@ -11,7 +11,11 @@ What it models
 
     Processes
         * *arrivals*: reads the workload lazily and starts one *lifecycle*
-          process per request at its arrival time;
+          process per request once vLLM's engine core would have it: at its
+          arrival time plus the hashing of its prompt (the roofline step
+          model's ``host.per_hashed_block_s`` per hash block; requests are
+          hashed one after another, as vLLM's input thread does, so a burst
+          queues; the TTFT counts from the arrival);
         * *lifecycle* (one per request): hands the request to the scheduler
           (it joins the waiting queue), wakes the engine, and waits for its
           end (finished, rejected, or the run stopped), then writes the
@@ -70,6 +74,9 @@ Simplifications
       memory grows with the trace for that policy only.
     * An idle engine does not spin: it sleeps until an arrival or a transfer
       completion (vLLM polls with empty steps; no state changes in between).
+    * vLLM's input thread hashes prompts while the main thread steps; the
+      model lets it run beside the steps at full speed (no contention for the
+      interpreter lock) and leaves out the hashing of output tokens.
 
 Invariants (checked at the end of a completed run; :class:`InvariantViolation`)
     * the scheduler's (:meth:`~sim.model.scheduler.Scheduler.invariant_problems`):
@@ -102,7 +109,7 @@ from sim.engine.metrics import (
     TransferRow,
 )
 from sim.model.connector import LoadPlan, StorePlan
-from sim.model.costs import ZERO_TRANSFER, TransferModel
+from sim.model.costs import ZERO_TRANSFER, RooflineStepModel, TransferModel
 from sim.model.future import FutureUses
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
@@ -258,8 +265,14 @@ class Engine:
     # -- processes ------------------------------------------------------------------
 
     def _arrivals(self) -> Proc:
+        """Requests reach the scheduler in arrival order, each once vLLM's engine core
+        has hashed its prompt (``per_hashed_block_s`` per hash block, one request after
+        another, in its input thread: :class:`~sim.model.costs.HostOverhead`)."""
         env = self.env
         last = 0.0
+        step = self.cfg.step_cost
+        hash_s = step.host.per_hashed_block_s if isinstance(step, RooflineStepModel) else 0.0
+        hashed_until = 0.0     # when the input thread is done with the requests so far
         for req in self._requests:
             if req.arrival_s < last:
                 raise ValueError(f"request {req.req_id} arrives at {req.arrival_s} s, before "
@@ -268,9 +281,13 @@ class Engine:
             if self.summary.first_arrival_s is None:
                 self.summary.first_arrival_s = last
             self.summary.last_arrival_s = last
-            self.next_arrival_s = req.arrival_s
-            if req.arrival_s > env.now:
-                yield env.timeout(req.arrival_s - env.now)
+            ready = req.arrival_s
+            if hash_s:
+                hashed_until = max(ready, hashed_until) + hash_s * (req.prompt_tokens // req.tokens_per_hash)
+                ready = hashed_until
+            self.next_arrival_s = ready
+            if ready > env.now:
+                yield env.timeout(ready - env.now)
             if self.stop_reason is not None:
                 break
             env.process(self._lifecycle(req))

@@ -488,6 +488,9 @@ class HardwareFile(Strict):
         default=None, ge=0, le=1, description="engine host time per step (default: the GPU's)")
     host_per_request_s: float | None = Field(
         default=None, ge=0, le=1, description="engine host time per scheduled request (default: the GPU's)")
+    host_per_hashed_block_s: float | None = Field(
+        default=None, ge=0, le=1, description="engine host time per prefix-cache hash block of a new "
+        "request's prompt, before the scheduler sees it (default: the GPU's)")
     mfu: float | None = Field(
         default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's kernels reach "
         "(default 0.5; kvsim calibrate --from-run fits it)")
@@ -515,6 +518,7 @@ class HardwareSection(Strict):
     d2h_duplex_factor: float | None = Field(default=None, gt=0, le=1)
     host_step_s: float | None = Field(default=None, ge=0, le=1)
     host_per_request_s: float | None = Field(default=None, ge=0, le=1)
+    host_per_hashed_block_s: float | None = Field(default=None, ge=0, le=1)
     mfu: float | None = Field(default=None, gt=0, le=1)
     mbu: float | None = Field(default=None, gt=0, le=1)
 
@@ -1149,6 +1153,7 @@ class ResolvedHardware:
     d2h_duplex_factor: float = 1.0
     host_step_s: float = 0.0
     host_per_request_s: float = 0.0
+    host_per_hashed_block_s: float = 0.0
     mfu: float = DEFAULT_MFU
     mbu: float = DEFAULT_MBU
 
@@ -1366,6 +1371,8 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         d2h_duplex_factor=pick(sec.d2h_duplex_factor, pick(hw.d2h_duplex_factor, g.d2h.duplex_factor)),
         host_step_s=pick(sec.host_step_s, pick(hw.host_step_s, g.host.step_s)),
         host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)),
+        host_per_hashed_block_s=pick(sec.host_per_hashed_block_s,
+                                     pick(hw.host_per_hashed_block_s, g.host.per_hashed_block_s)),
         mfu=pick(sec.mfu, pick(hw.mfu, DEFAULT_MFU)), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
 
 
@@ -1569,7 +1576,7 @@ class RunSpec:
             hardware["gpu_kv_bytes"] = self.gpu_kv_bytes
         for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
-                    "d2h_duplex_factor", "host_step_s", "host_per_request_s"):
+                    "d2h_duplex_factor", "host_step_s", "host_per_request_s", "host_per_hashed_block_s"):
             hardware[key] = getattr(hw, key)
         for key, default in (("mfu", DEFAULT_MFU), ("mbu", DEFAULT_MBU)):
             if getattr(hw, key) != default:   # the defaults left out: earlier resolved scenarios unchanged
@@ -1659,7 +1666,7 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
                          "has none and no cost_profile",
                          '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
                          'context_token_s}, model.shape, or model.cost_profile')
-    host = HostOverhead(hw.host_step_s, hw.host_per_request_s)
+    host = HostOverhead(hw.host_step_s, hw.host_per_request_s, hw.host_per_hashed_block_s)
     return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
                                tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu, host=host)

@@ -308,19 +308,24 @@ ZERO_STEP = StepCostModel()
 
 @dataclass(frozen=True, slots=True)
 class HostOverhead:
-    """The engine's own time per step, serial with the forward pass.
+    """The engine's own time: per step, serial with the forward pass, and per new request.
 
     Attributes:
         step_s: per step (scheduler call, input preparation, launch, sampling).
         per_request_s: per scheduled request (the scheduler's and the output
             processing's per-request work).
+        per_hashed_block_s: per prefix-cache hash block of a new request's prompt:
+            vLLM's engine core hashes the prompt when it creates the request, in
+            its input thread, before the scheduler sees it (the engine delays
+            each arrival by it, one request after another; not the step).
     """
 
     step_s: float = 0.0
     per_request_s: float = 0.0
+    per_hashed_block_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_s", "per_request_s"):
+        for name in ("step_s", "per_request_s", "per_hashed_block_s"):
             object.__setattr__(self, name, _finite_non_negative("HostOverhead", name, getattr(self, name)))
 
 
@@ -554,6 +559,9 @@ PCIE_D2H_DUPLEX_FACTOR = 0.834
 #: The engine's host time per step and per scheduled request (sources in docs/costs.md).
 HOST_STEP_S = 1.4e-3
 HOST_PER_REQUEST_S = 15e-6
+#: vLLM's engine core hashing a new request's prompt, per hash block (sha256, its default):
+#: measured with vLLM 0.30.0 and 0.33.0 (benchmarks/vllm_block_hash_cost.py, docs/costs.md)
+HOST_PER_HASHED_BLOCK_S = 1.5e-6
 
 _PCIE_SOURCES = (
     "https://www.nvidia.com/en-us/data-center/h100/: PCIe Gen5 128 GB/s (both directions, i.e. 64 GB/s each)",
@@ -574,6 +582,8 @@ _HOST_SOURCES = (
     "update_from_output), all-decode, 15.1 us per running request (fit over 8-256; a shared 2-CPU VM)",
     "https://github.com/openfabric-systems/simllm/pull/204: vLLM 0.27.1 scheduler, all-decode, "
     "12.7 us per running request at the cap",
+    "benchmarks/vllm_block_hash_cost.py: vLLM 0.30.0 and 0.33.0 building a Request with the sha256 "
+    "block hasher, 1.38-1.54 us per 8- or 16-token block for 1k-128k-token prompts (a 2-CPU VM)",
 )
 
 
@@ -590,7 +600,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=989e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
         sources=(
             f"{_H100_DATASHEET}: H100 SXM 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
             f"{_H100_PAGE}: same table",
@@ -607,7 +617,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=989e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
         sources=(
             f"{_H200_PAGE}: H200 SXM 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
             "https://aiwiki.ai/wiki/nvidia_h200: 141 GB HBM3e at 4.8 TB/s, same GH100 compute as H100",
@@ -624,7 +634,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=148e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S),
+        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
         sources=(
             "https://willitrunai.com/es/gpus/h20-96gb: H20 96 GB HBM3, 4.0 TB/s, 148 TFLOPS FP16 (dense; "
             "NVIDIA publishes no datasheet for this export part, so third-party figures)",

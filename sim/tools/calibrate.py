@@ -571,7 +571,7 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
         GPU_PROFILES[spec.hardware.gpu], cost_shape, spec.layout.groups,
         param_groups=[group_spec(g, 1) for g in spec.model.cost_groups],
         tensor_parallel=spec.scenario.costs.tensor_parallel, mfu=min(1.0, v["mfu"]), mbu=min(1.0, v["mbu"]),
-        host=HostOverhead(v["host_step_s"], v["host_per_request_s"]))
+        host=HostOverhead(v["host_step_s"], v["host_per_request_s"], spec.hardware.host_per_hashed_block_s))
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:

@@ -131,7 +131,8 @@ def test_hardware_profiles_match_the_cost_model():
             assert hw[f"{d}_piece_overhead_s"] == link.piece_overhead_s
             assert hw[f"{d}_duplex_factor"] == link.duplex_factor
         host = GPU_PROFILES[name].host
-        assert (hw["host_step_s"], hw["host_per_request_s"]) == (host.step_s, host.per_request_s)
+        assert (hw["host_step_s"], hw["host_per_request_s"], hw["host_per_hashed_block_s"]) == (
+            host.step_s, host.per_request_s, host.per_hashed_block_s)
 
 
 def test_cpu_capacity_in_bytes_follows_spec_3_1(tmp_path: Path):
@@ -637,9 +638,11 @@ def test_shipped_model_shape_gives_the_roofline_and_the_hardware_figures(tmp_pat
     assert cfg.transfer_piece == "layer"
     over = load_run(write(tmp_path, LLAMA8), ["hardware.h2d_piece_overhead_s=1e-5",
                                                "hardware.d2h_duplex_factor=1", "hardware.host_step_s=0",
+                                               "hardware.host_per_hashed_block_s=4e-6",
                                                "model.kv_transfer_piece=\"block\""])
     assert over.h2d.piece_overhead_s == 1e-5 and over.d2h.duplex_factor == 1.0
     assert isinstance(over.step_cost, RooflineStepModel) and over.step_cost.host.step_s == 0.0
+    assert over.step_cost.host.per_hashed_block_s == 4e-6
     assert over.engine_config().transfer_piece == "block"
 
 
@@ -660,6 +663,7 @@ def test_a_hardware_file_without_the_new_keys_takes_its_gpus_figures(tmp_path: P
     ("[hardware]\nhost_step_s = -1.0\n", "hardware.host_step_s", "0"),
     ("[hardware]\nh2d_piece_overhead_s = -1e-6\n", "hardware.h2d_piece_overhead_s", "0"),
     ("[hardware]\nhost_per_request_s = \"fast\"\n", "hardware.host_per_request_s", "number"),
+    ("[hardware]\nhost_per_hashed_block_s = -1e-6\n", "hardware.host_per_hashed_block_s", "0"),
 ])
 def test_bad_link_and_host_figures_are_one_line(tmp_path: Path, extra: str, key: str, allowed: str):
     err = error_of(write(tmp_path, MINIMAL + extra))

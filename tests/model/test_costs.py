@@ -183,7 +183,7 @@ def test_gpu_profiles_datasheet_figures() -> None:
         # the most with equal amounts each way: both directions keep the same share, below 2x in all
         assert (g.h2d.duplex_factor, g.d2h.duplex_factor) == (0.834, 0.834)
         assert g.h2d.duplex_factor + g.d2h.duplex_factor < 2.0
-        assert g.host == HostOverhead(1.4e-3, 15e-6)
+        assert g.host == HostOverhead(1.4e-3, 15e-6, 1.5e-6)
         assert g.sources and all(s for s in g.sources)
         assert any("nvidia.com" in s for s in g.sources)
 
@@ -204,6 +204,8 @@ def test_profile_validation() -> None:
         GpuProfile("x", 1, 1e12, math.inf, link, link, host, ())
     with pytest.raises(ValueError, match="per_request_s"):
         HostOverhead(0.0, -1.0)
+    with pytest.raises(ValueError, match="per_hashed_block_s"):
+        HostOverhead(0.0, 0.0, math.nan)
 
 
 def test_linear_model_time_is_step_time() -> None:
