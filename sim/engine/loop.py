@@ -12,8 +12,8 @@ What it models
     Processes
         * *arrivals*: reads the workload lazily and starts one *lifecycle*
           process per request once vLLM's engine core would have it: at its
-          arrival time plus the hashing of its prompt (the roofline step
-          model's ``host.per_hashed_block_s`` per hash block; requests are
+          arrival time plus the hashing of its prompt (``prompt_hash_s_per_block``
+          per hash block, the roofline's host figure; requests are
           hashed one after another, as vLLM's input thread does, so a burst
           queues; the TTFT counts from the arrival);
         * *lifecycle* (one per request): hands the request to the scheduler
@@ -109,7 +109,7 @@ from sim.engine.metrics import (
     TransferRow,
 )
 from sim.model.connector import LoadPlan, StorePlan
-from sim.model.costs import ZERO_TRANSFER, RooflineStepModel, TransferModel
+from sim.model.costs import ZERO_TRANSFER, TransferModel
 from sim.model.future import FutureUses
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
@@ -164,6 +164,9 @@ class EngineConfig(SchedulerConfig):
     tier_links: tuple[TierLinkModel, ...] = ()
     #: bytes a tier job moves per chunk: the CPU slot (vLLM: the primary tier's row)
     tier_chunk_bytes: int = 0
+    #: seconds vLLM's engine core spends hashing a new request's prompt, per hash block,
+    #: before the scheduler sees the request (the roofline's ``host.per_hashed_block_s``; 0: none)
+    prompt_hash_s_per_block: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:
@@ -190,6 +193,14 @@ class SimulationResult:
     summary: RunSummary
     #: what the first modelled crashes and hazards met (written as check/1 files by sim.io.check)
     reproducers: list[ReproducerSnapshot] = field(default_factory=list)
+
+
+def prompt_hashed_at(arrival_s: float, busy_until: float, prompt_tokens: int, tokens_per_hash: int,
+                     per_block_s: float) -> float:
+    """When vLLM's engine core has hashed a new request's prompt (and the scheduler sees it):
+    its input thread takes the requests one after another, so it starts at the arrival or
+    when it finished the previous one (``busy_until``), whichever is later."""
+    return max(arrival_s, busy_until) + per_block_s * (prompt_tokens // tokens_per_hash)
 
 
 class Engine:
@@ -270,8 +281,7 @@ class Engine:
         another, in its input thread: :class:`~sim.model.costs.HostOverhead`)."""
         env = self.env
         last = 0.0
-        step = self.cfg.step_cost
-        hash_s = step.host.per_hashed_block_s if isinstance(step, RooflineStepModel) else 0.0
+        hash_s = self.cfg.prompt_hash_s_per_block
         hashed_until = 0.0     # when the input thread is done with the requests so far
         for req in self._requests:
             if req.arrival_s < last:
@@ -283,8 +293,8 @@ class Engine:
             self.summary.last_arrival_s = last
             ready = req.arrival_s
             if hash_s:
-                hashed_until = max(ready, hashed_until) + hash_s * (req.prompt_tokens // req.tokens_per_hash)
-                ready = hashed_until
+                ready = hashed_until = prompt_hashed_at(ready, hashed_until, req.prompt_tokens,
+                                                        req.tokens_per_hash, hash_s)
             self.next_arrival_s = ready
             if ready > env.now:
                 yield env.timeout(ready - env.now)

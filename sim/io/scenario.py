@@ -1480,7 +1480,14 @@ class RunSpec:
             transfer_piece=self.model.kv_transfer_piece,
             max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
             block_accounting=s.block_accounting, decisions=sc.decisions,
-            reserve_full_isl=s.reserve_full_isl, **self._tier_config())
+            reserve_full_isl=s.reserve_full_isl, prompt_hash_s_per_block=self._prompt_hash_s(),
+            **self._tier_config())
+
+    def _prompt_hash_s(self) -> float:
+        """The engine core's prompt hashing per block: the roofline step model's host
+        figure (``costs.step = "auto"``); an inline table or ``"zero"`` has none."""
+        step = self.step_cost
+        return step.host.per_hashed_block_s if isinstance(step, RooflineStepModel) else 0.0
 
     def _tier_config(self) -> dict[str, Any]:
         """The engine's secondary tiers and their links (nothing when there is none)."""

@@ -316,8 +316,9 @@ class HostOverhead:
             processing's per-request work).
         per_hashed_block_s: per prefix-cache hash block of a new request's prompt:
             vLLM's engine core hashes the prompt when it creates the request, in
-            its input thread, before the scheduler sees it (the engine delays
-            each arrival by it, one request after another; not the step).
+            its input thread, before the scheduler sees it (not part of
+            :meth:`RooflineStepModel.time`: the engine delays each arrival by it,
+            one request after another, ``EngineConfig.prompt_hash_s_per_block``).
     """
 
     step_s: float = 0.0

@@ -27,11 +27,13 @@ The fit (a fixed point of replay and least squares)
     leaves its load: scheduled requests ``n_k``, FLOPs ``F_k``, bytes
     ``M_k``. Its time is ``T_k = h_step + h_req n_k + max(F_k / flops,
     M_k / bytes)``, linear in ``(h_step, h_req, 1 / flops, 1 / bytes)`` once
-    the roof of each step is fixed. A request's TTFT is the time of the
-    steps (or the parts of the steps) between its arrival and its first
-    token plus the time the engine was not computing then (waiting for a
-    flushed store, idle); its decode time, from first to last token, the
-    same. Holding each step's share of each window and those gaps, every
+    the roof of each step is fixed. A request's TTFT is the fixed time the
+    engine core takes to hash its prompt (no coefficient moves it:
+    ``EngineConfig.prompt_hash_s_per_block``, held at the profile's), then
+    the time of the steps (or the parts of the steps) between the scheduler
+    seeing it and its first token plus the time the engine was not
+    computing then (waiting for a flushed store, idle); its decode time,
+    from first to last token, the same without the hashing. Holding each step's share of each window and those gaps, every
     request gives two rows of a linear least-squares problem, in relative
     error: ``(predicted - measured) / measured`` of TTFT and of decode time.
     The bounded problem (``x >= 0``, ``mfu`` and ``mbu`` at most 1) is
@@ -93,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.engine.loop import EngineConfig, simulate
+from sim.engine.loop import EngineConfig, prompt_hashed_at, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
 from sim.io.scenario import RunSpec, group_spec
@@ -461,10 +463,12 @@ class _Recording:
 
 @dataclass(frozen=True)
 class Replay:
-    """One replay: per request (in the replayed order) arrival, first token and finish;
-    per computed step its end, time, scheduled requests, FLOPs and bytes."""
+    """One replay: per request (in the replayed order) arrival, when the scheduler saw it
+    (after the engine core hashed its prompt), first token and finish; per computed step
+    its end, time, scheduled requests, FLOPs and bytes."""
 
     arrival: np.ndarray
+    seen: np.ndarray
     first: np.ndarray
     finish: np.ndarray
     end: np.ndarray
@@ -493,7 +497,14 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     loads = rec_model.loads
     flops = np.array([model.compute_s(x) * model.flops_per_s for x in loads], dtype=float)
     nbytes = np.array([model.step_bytes(x) for x in loads], dtype=float)
-    return Replay(col("arrival_s"), col("first_token_s"), col("finish_s"), np.array(ends, dtype=float),
+    seen = []
+    busy = 0.0
+    for r in requests:      # in arrival order, as the engine hashes them
+        busy = prompt_hashed_at(r.arrival_s, busy, r.prompt_tokens, r.tokens_per_hash,
+                                cfg.prompt_hash_s_per_block) if cfg.prompt_hash_s_per_block else r.arrival_s
+        seen.append(busy)
+    return Replay(col("arrival_s"), np.array(seen, dtype=float), col("first_token_s"), col("finish_s"),
+                  np.array(ends, dtype=float),
                   np.array(rec_model.times, dtype=float), np.array([x.requests for x in loads], dtype=float),
                   flops, nbytes)
 
@@ -597,41 +608,47 @@ _ESCAPES = 3
 
 @dataclass(frozen=True)
 class _Windows:
-    """What the fit compares, per row: a window ``(lo, hi]`` of the replay, the measured
-    seconds it stands for (a TTFT or a decode time) and the row's weight."""
+    """What the fit compares, per row: a window ``(lo, hi]`` of the replay plus a fixed
+    time before it that no coefficient moves (a TTFT's prompt hashing), the measured
+    seconds they stand for (a TTFT or a decode time) and the row's weight."""
 
     lo: np.ndarray
     hi: np.ndarray
+    fixed: np.ndarray
     measured: np.ndarray
     weight: np.ndarray
 
 
 def _windows(rp: Replay, run: BenchRun, index: Sequence[int]) -> _Windows:
-    """Per request its TTFT window (arrival, first token] and its decode window (first
-    token, last token]. In relative error, a decode time of ``m`` inter-token latencies
+    """Per request its TTFT window (seen by the scheduler, first token], after the fixed
+    time its prompt's hashing took, and its decode window (first token, last token]. In
+    relative error, a decode time of ``m`` inter-token latencies
     with independent jitter is ``sqrt(m)`` times steadier than one latency: its row
     weighs ``sqrt(m)`` (inverse-variance weighting; the TTFT row weighs 1)."""
     lo: list[float] = []
     hi: list[float] = []
+    fixed: list[float] = []
     meas: list[float] = []
     weight: list[float] = []
     for r, i in enumerate(index):
-        lo.append(float(rp.arrival[r]))
+        lo.append(float(rp.seen[r]))
         hi.append(float(rp.first[r]))
+        fixed.append(float(rp.seen[r] - rp.arrival[r]))
         meas.append(run.ttfts[i])
         weight.append(1.0)
         if run.output_lens[i] > 1 and run.decode_s(i) > 0:
             lo.append(float(rp.first[r]))
             hi.append(float(rp.finish[r]))
+            fixed.append(0.0)
             meas.append(run.decode_s(i))
             weight.append(math.sqrt(max(1, len(run.itls[i]))))
-    return _Windows(np.array(lo), np.array(hi), np.array(meas), np.array(weight))
+    return _Windows(np.array(lo), np.array(hi), np.array(fixed), np.array(meas), np.array(weight))
 
 
 def _cost(rp: Replay, run: BenchRun, index: Sequence[int]) -> float:
     """The replay's weighted squared relative errors over its windows, summed."""
     w = _windows(rp, run, index)
-    return float(np.sum((w.weight * ((w.hi - w.lo) - w.measured) / w.measured) ** 2))
+    return float(np.sum((w.weight * ((w.hi - w.lo) + w.fixed - w.measured) / w.measured) ** 2))
 
 
 def _least_squares(rp: Replay, x: np.ndarray, free: np.ndarray, lower: np.ndarray, run: BenchRun,
@@ -643,7 +660,7 @@ def _least_squares(rp: Replay, x: np.ndarray, free: np.ndarray, lower: np.ndarra
     w = _windows(rp, run, index)
     gap = (w.hi - w.lo) - _window_rows(rp, rp.time[:, None], w.lo, w.hi)[:, 0]
     scale = w.weight / w.measured
-    y = (w.measured - gap) * scale
+    y = (w.measured - w.fixed - gap) * scale
     roof = x
     cand, a_mat = x, np.zeros((len(y), len(x)))
     for _ in range(20):

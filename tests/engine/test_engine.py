@@ -122,7 +122,8 @@ FF_CASES = {
     # (and prompts hashed before the scheduler sees them: arrivals delayed, queued in bursts)
     "hybrid-roofline": EngineConfig(layout=HYBRID, gpu_blocks=1500, cpu_capacity_chunks=200,
                                     step_cost=RooflineStepModel(2e9, 5e8, (3e4, 3e4), 4e9, 1e14, 2e12,
-                                                                HostOverhead(1e-3, 2e-5, 3e-5)),
+                                                                HostOverhead(1e-3, 2e-5)),
+                                    prompt_hash_s_per_block=3e-5,
                                     h2d=TransferModel(2e9, 1e-4, 3e-6, 0.47),
                                     d2h=TransferModel(2e9, 1e-4, 3e-6, 0.95)),
     "chunked-mamba-roofline": EngineConfig(
@@ -161,9 +162,9 @@ def test_fast_forward_is_identical_to_stepping(case: str) -> None:
 def test_a_request_reaches_the_scheduler_once_its_prompt_is_hashed() -> None:
     """vLLM's engine core hashes a new request's prompt (one hash block at a time, one
     request after another) before the scheduler sees it; the TTFT counts from the arrival."""
-    host = HostOverhead(0.0, 0.0, 1e-3)                     # 1 ms per 16-token hash block
-    fast = RooflineStepModel(1.0, 1.0, (1.0,), 1.0, 1e15, 1e15, host)   # steps of nanoseconds
-    cfg = EngineConfig(layout=FA16, gpu_blocks=400, cpu_capacity_chunks=50, step_cost=fast)
+    fast = RooflineStepModel(1.0, 1.0, (1.0,), 1.0, 1e15, 1e15)   # steps of nanoseconds
+    cfg = EngineConfig(layout=FA16, gpu_blocks=400, cpu_capacity_chunks=50, step_cost=fast,
+                       prompt_hash_s_per_block=1e-3)                 # 1 ms per 16-token hash block
     reqs = [req("a", 0.0, 256, 2, prefix=1), req("b", 0.0, 520, 2, prefix=2), req("c", 1.0, 160, 2, prefix=3)]
     f, _ = run(cfg, reqs)
     rq = f["requests"].set_index("req_id")
@@ -171,8 +172,8 @@ def test_a_request_reaches_the_scheduler_once_its_prompt_is_hashed() -> None:
     assert rq.loc["b"].scheduled_s == pytest.approx(0.048, abs=1e-9)    # after a's, then its 32 full blocks
     assert rq.loc["c"].scheduled_s == pytest.approx(1.010, abs=1e-9)    # the thread was free again
     assert rq.loc["b"].arrival_s == 0.0 and rq.loc["b"].ttft_s > 0.048
-    # another step model (an inline table, zero) has no host figures: no delay
-    f, _ = run(replace(cfg, step_cost=StepCostModel()), reqs)
+    # without it, no delay
+    f, _ = run(replace(cfg, prompt_hash_s_per_block=0.0), reqs)
     assert f["requests"].set_index("req_id").loc["b"].scheduled_s == 0.0
 
 

@@ -36,7 +36,7 @@ def ttft(tmp_path: Path, prompt: int) -> tuple[float, float]:
     res = simulate(spec.engine_config(), [req("a", 0.0, prompt, 2, prefix=1)], Recorder(sink))
     assert res.status == "ok"
     row = sink.frames()["requests"].iloc[0]
-    hashing = spec.step_cost.host.per_hashed_block_s * (prompt // 16)    # before the scheduler sees it
+    hashing = spec.engine_config().prompt_hash_s_per_block * (prompt // 16)   # before the scheduler sees it
     assert hashing > 0
     return float(row.ttft_s), hashing + chunked_prefill_time(spec.step_cost, spec.layout, prompt, 8192)
 

@@ -643,6 +643,11 @@ def test_shipped_model_shape_gives_the_roofline_and_the_hardware_figures(tmp_pat
     assert over.h2d.piece_overhead_s == 1e-5 and over.d2h.duplex_factor == 1.0
     assert isinstance(over.step_cost, RooflineStepModel) and over.step_cost.host.step_s == 0.0
     assert over.step_cost.host.per_hashed_block_s == 4e-6
+    assert over.engine_config().prompt_hash_s_per_block == 4e-6
+    assert spec.engine_config().prompt_hash_s_per_block == h100.host.per_hashed_block_s > 0
+    # an inline step table (or "zero") has no host figures: no hashing delay
+    table = load_run(write(tmp_path, LLAMA8), ["costs.step={overhead_s=1e-3, prefill_token_s=1e-5}"])
+    assert table.engine_config().prompt_hash_s_per_block == 0.0
     assert over.engine_config().transfer_piece == "block"
 
 
