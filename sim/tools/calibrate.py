@@ -33,7 +33,8 @@ The fit (a fixed point of replay and least squares)
     the time of the steps (or the parts of the steps) between the scheduler
     seeing it and its first token plus the time the engine was not
     computing then (waiting for a flushed store, idle); its decode time,
-    from first to last token, the same without the hashing. Holding each step's share of each window and those gaps, every
+    from first to last token, the same without the hashing. Holding each
+    step's share of each window and those gaps, every
     request gives two rows of a linear least-squares problem, in relative
     error: ``(predicted - measured) / measured`` of TTFT and of decode time.
     The bounded problem (``x >= 0``, ``mfu`` and ``mbu`` at most 1) is
