@@ -502,7 +502,7 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     busy = 0.0
     for r in requests:      # in arrival order, as the engine hashes them
         busy = prompt_hashed_at(r.arrival_s, busy, r.prompt_tokens, r.tokens_per_hash,
-                                cfg.prompt_hash_s_per_block) if cfg.prompt_hash_s_per_block else r.arrival_s
+                                cfg.prompt_hash_s_per_block)
         seen.append(busy)
     return Replay(col("arrival_s"), np.array(seen, dtype=float), col("first_token_s"), col("finish_s"),
                   np.array(ends, dtype=float),
