@@ -198,7 +198,6 @@ from sim.io.workload import (
 )
 from sim.model.costs import (
     DEFAULT_MBU,
-    DEFAULT_MFU,
     GPU_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
@@ -492,8 +491,9 @@ class HardwareFile(Strict):
         default=None, ge=0, le=1, description="engine host time per prefix-cache hash block of a new "
         "request's prompt, before the scheduler sees it (default: the GPU's)")
     mfu: float | None = Field(
-        default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's kernels reach "
-        "(default 0.5; kvsim calibrate --from-run fits it)")
+        default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's matmuls reach, "
+        "for every step (default: the GPU's measured curve by tokens per step, else 0.5; kvsim calibrate "
+        "--from-run fits it)")
     mbu: float | None = Field(
         default=None, gt=0, le=1, description="fraction of peak HBM bandwidth the weight and KV reads reach "
         "(default 0.8; kvsim calibrate --from-run fits it)")
@@ -1154,7 +1154,7 @@ class ResolvedHardware:
     host_step_s: float = 0.0
     host_per_request_s: float = 0.0
     host_per_hashed_block_s: float = 0.0
-    mfu: float = DEFAULT_MFU
+    mfu: float | None = None  #: a constant matmul efficiency; None: the GPU's curve (else DEFAULT_MFU)
     mbu: float = DEFAULT_MBU
 
 
@@ -1373,7 +1373,7 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)),
         host_per_hashed_block_s=pick(sec.host_per_hashed_block_s,
                                      pick(hw.host_per_hashed_block_s, g.host.per_hashed_block_s)),
-        mfu=pick(sec.mfu, pick(hw.mfu, DEFAULT_MFU)), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
+        mfu=pick(sec.mfu, hw.mfu), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
 
 
 def group_spec(g: ModelGroup, tp: int) -> GroupSpec:
@@ -1585,9 +1585,10 @@ class RunSpec:
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
                     "d2h_duplex_factor", "host_step_s", "host_per_request_s", "host_per_hashed_block_s"):
             hardware[key] = getattr(hw, key)
-        for key, default in (("mfu", DEFAULT_MFU), ("mbu", DEFAULT_MBU)):
-            if getattr(hw, key) != default:   # the defaults left out: earlier resolved scenarios unchanged
-                hardware[key] = getattr(hw, key)
+        if hw.mfu is not None:   # the defaults left out: earlier resolved scenarios unchanged
+            hardware["mfu"] = hw.mfu
+        if hw.mbu != DEFAULT_MBU:
+            hardware["mbu"] = hw.mbu
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
         if sc.tiers:

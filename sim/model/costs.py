@@ -14,12 +14,17 @@ What it models
 
           step = host_step_s + host_per_request_s x requests
                + max(compute_s, memory_s)
-          compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu)
+          compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu(T))
                     + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
           memory_s  = (weight_bytes - expert_bytes x (1 - k/E)^tokens + kv_read_bytes)
                       / (hbm_bandwidth x mbu)
 
-      per worker (tensor parallelism divides FLOPs, weights and KV). The
+      per worker (tensor parallelism divides FLOPs, weights and KV). ``mfu(T)``,
+      the matmuls' fraction of peak for a step of ``T = prefill tokens + decode
+      sequences`` tokens, is the GPU profile's measured curve where it has one
+      (:data:`HOPPER_MATMUL_EFFICIENCY`: 0.49 at 516 tokens rising to 0.63 from
+      about 1,900; linear between points, flat outside), else a constant
+      (:data:`DEFAULT_MFU`, or the ``mfu`` a scenario or hardware file sets). The
       pairs of a request with ``p`` tokens already computed and ``c`` new
       tokens are: full attention ``c x p + c (c + 1) / 2`` (causal: the
       quadratic term of long prefills); sliding window ``W`` the same with
@@ -57,9 +62,13 @@ What it models
 
 Simplifications
     * Compute and memory overlap perfectly inside a step (the roofline's
-      ``max``); kernels are assumed to reach constant fractions of the peaks,
-      whatever their shapes: ``mfu`` (matmuls, LM head, mamba updates),
-      ``eff`` (attention pairs, :data:`DEFAULT_ATTENTION_EFFICIENCY`) and ``mbu``.
+      ``max``); kernels reach fractions of the peaks that depend on nothing but
+      the step's token count (the matmuls' ``mfu(T)``, measured on dense
+      Llama layers and applied to every model, MoE experts and tensor-parallel
+      shards included; the LM head at the same rate, mamba updates at the
+      curve's last point) or
+      nothing at all (``eff`` of attention pairs,
+      :data:`DEFAULT_ATTENTION_EFFICIENCY`, and ``mbu``).
     * The host overhead (scheduling, input preparation, sampling, output
       processing) is serial with the forward pass (vLLM's default synchronous
       scheduling) and linear in the scheduled requests.
@@ -93,6 +102,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal, Protocol
 
 from sim.model.layout import GroupKind, GroupSpec, Layout
@@ -102,6 +112,7 @@ __all__ = [
     "DEFAULT_MBU",
     "DEFAULT_MFU",
     "GPU_PROFILES",
+    "HOPPER_MATMUL_EFFICIENCY",
     "MAMBA_FLOPS_PER_STATE_ELEMENT",
     "TRANSFER_PIECES",
     "ZERO_STEP",
@@ -125,8 +136,16 @@ __all__ = [
     "roofline_step_model",
 ]
 
-#: Default model-FLOP utilisation of the matmuls (attention: below; assumption, see docs/costs.md).
+#: Default model-FLOP utilisation of the matmuls on a GPU with no measured curve (attention: below;
+#: an assumption, see docs/costs.md).
 DEFAULT_MFU = 0.5
+#: The matmul efficiency of a Hopper GPU by tokens per step, ``(tokens, fraction of dense BF16
+#: peak)``, linear between points and flat outside: the weight matmuls and the per-token operators
+#: around them (norms, rotary, activation, residual adds) of Llama-2-7B layers measured on an H100
+#: (Vidur's operator profile), the median of 8 profiled token counts around each point
+#: (``benchmarks/matmul_efficiency.py``, docs/costs.md). The H200 has the same tensor cores.
+HOPPER_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.488), (1032, 0.591), (1928, 0.63),
+                                                            (4016, 0.633))
 #: Default fraction of dense BF16 peak that attention kernels reach on the query-key pairs of
 #: attention groups (not mamba): FlashAttention-3, which vLLM's FlashAttention backend runs on
 #: Hopper, measured 614-621 TFLOP/s of 989 on an H100 at head dim 128 and 8k-16k tokens
@@ -348,6 +367,10 @@ class RooflineStepModel:
         expert_bytes: the routed experts' share of ``weight_bytes`` (0: a dense model).
         expert_idle: the chance that one token leaves a given routed expert idle,
             ``1 - experts_per_token / experts``, in [0, 1).
+        token_rate_curve: the effective FLOP/s of the token and sample FLOPs by the
+            step's tokens (``prefill_tokens + decode_seqs``), ``(tokens, FLOP/s)`` points with
+            increasing tokens, linear between them and flat outside (:meth:`token_rate`);
+            empty: ``flops_per_s`` for every step.
     """
 
     token_flops: float
@@ -360,9 +383,15 @@ class RooflineStepModel:
     pair_flops_per_s: tuple[float, ...] = ()
     expert_bytes: float = 0.0
     expert_idle: float = 0.0
+    token_rate_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         o = "RooflineStepModel"
+        curve = tuple((int(t), _positive(o, "token_rate_curve", r, allow_inf=False))
+                      for t, r in self.token_rate_curve)
+        if any(b[0] <= a[0] for a, b in pairwise(curve)) or any(t < 1 for t, _ in curve):
+            raise ValueError(f"{o}.token_rate_curve needs token counts >= 1, increasing, got {curve!r}")
+        object.__setattr__(self, "token_rate_curve", curve)
         for name in ("token_flops", "sample_flops", "weight_bytes", "expert_bytes"):
             object.__setattr__(self, name, _finite_non_negative(o, name, getattr(self, name)))
         if self.expert_bytes > self.weight_bytes:
@@ -382,10 +411,33 @@ class RooflineStepModel:
             raise ValueError(f"{o}.pair_flops_per_s needs one rate per group ({len(self.pair_flops)}), "
                              f"got {len(self.pair_flops_per_s)}")
 
+    def token_rate(self, tokens: int) -> float:
+        """Effective FLOP/s of a step's token and sample FLOPs with ``tokens`` tokens
+        (:attr:`token_rate_curve`, or :attr:`flops_per_s` without one)."""
+        curve = self.token_rate_curve
+        if not curve:
+            return self.flops_per_s
+        t0, r0 = curve[0]
+        if tokens <= t0:
+            return r0
+        for t1, r1 in curve[1:]:
+            if tokens <= t1:
+                return r0 + (r1 - r0) * (tokens - t0) / (t1 - t0)
+            t0, r0 = t1, r1
+        return r0
+
     def compute_s(self, load: StepLoad) -> float:
-        """The step's FLOPs over the effective FLOP/s (each group's pairs at their own rate)."""
-        flops = (self.token_flops * (load.prefill_tokens + load.decode_seqs)
-                 + self.sample_flops * load.requests)
+        """The step's FLOPs over the effective FLOP/s (token and sample FLOPs at
+        :meth:`token_rate`, each group's pairs at their own rate)."""
+        tokens = load.prefill_tokens + load.decode_seqs
+        flops = self.token_flops * tokens + self.sample_flops * load.requests
+        if self.token_rate_curve:
+            t = flops / self.token_rate(tokens)
+            for f, n, r in zip(self.pair_flops, load.pairs,
+                               self.pair_flops_per_s or (self.flops_per_s,) * len(self.pair_flops),
+                               strict=True):
+                t += f * n / r
+            return t
         if not self.pair_flops_per_s:
             for f, n in zip(self.pair_flops, load.pairs, strict=True):
                 flops += f * n
@@ -503,6 +555,9 @@ class GpuProfile:
         attention_efficiency: fraction of ``dense_bf16_flops`` the attention kernels
             reach on this GPU when measured for it (None:
             :data:`DEFAULT_ATTENTION_EFFICIENCY`, the H100's measurement).
+        matmul_efficiency: fraction of ``dense_bf16_flops`` the matmuls reach by tokens per
+            step, ``(tokens, fraction)`` points, where measured for this GPU (empty:
+            :data:`DEFAULT_MFU` for every step).
     """
 
     name: str
@@ -514,9 +569,12 @@ class GpuProfile:
     host: HostOverhead
     sources: tuple[str, ...]
     attention_efficiency: float | None = None
+    matmul_efficiency: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         owner = f"GpuProfile({self.name!r})"
+        for _, e in self.matmul_efficiency:
+            _fraction(owner, "matmul_efficiency", e)
         if isinstance(self.hbm_bytes, bool) or not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
             raise ValueError(f"{owner}.hbm_bytes must be a positive int, got {self.hbm_bytes!r}")
         _positive(owner, "hbm_bandwidth_bytes_per_s", self.hbm_bandwidth_bytes_per_s, allow_inf=False)
@@ -588,6 +646,14 @@ _HOST_SOURCES = (
 )
 
 
+_MATMUL_SOURCE = (
+    "https://github.com/microsoft/vidur/blob/e26eb8f79fa9a6a7c38eac0f5291302402b20364/data/profiling/"
+    "compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv: median operator times of a Llama-2-7B layer on an "
+    "H100; matmul FLOPs over the time of every operator outside attention: 0.49 / 0.59 / 0.63 / 0.63 "
+    "of 989 TFLOPS around 516 / 1,032 / 1,928 / 4,016 tokens (benchmarks/matmul_efficiency.py)"
+)
+
+
 def _pcie5_x16(duplex: float) -> TransferModel:
     return TransferModel(PCIE5_X16_EFFECTIVE_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S, duplex)
 
@@ -602,8 +668,10 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
         host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
+        matmul_efficiency=HOPPER_MATMUL_EFFICIENCY,
         sources=(
             f"{_H100_DATASHEET}: H100 SXM 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
+            _MATMUL_SOURCE,
             f"{_H100_PAGE}: same table",
             "https://glennklockwood.com/garden/processors/h100: H100 SXM5 BF16 matrix 989.4 TFLOPS dense, "
             "80 GB HBM3, 3.35 TB/s",
@@ -619,8 +687,10 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
         host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
+        matmul_efficiency=HOPPER_MATMUL_EFFICIENCY,
         sources=(
             f"{_H200_PAGE}: H200 SXM 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
+            _MATMUL_SOURCE + " (the H200 has the H100's tensor cores and clocks)",
             "https://aiwiki.ai/wiki/nvidia_h200: 141 GB HBM3e at 4.8 TB/s, same GH100 compute as H100",
             "https://raw.githubusercontent.com/mlcommons/inference_results_v4.1/main/closed/NVIDIA/systems/"
             "H200-SXM-141GBx8_TRT_MaxQ.json: host interconnect PCIe Gen5 x16",
@@ -822,7 +892,7 @@ def roofline_step_model(
     *,
     param_groups: Sequence[GroupSpec] | None = None,
     tensor_parallel: int = 1,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     mbu: float = DEFAULT_MBU,
     host: HostOverhead | None = None,
     attention_efficiency: float | None = None,
@@ -838,7 +908,10 @@ def roofline_step_model(
             ``groups``; another model's when its shape is borrowed), before
             tensor parallelism.
         tensor_parallel: GPUs sharing the model (FLOPs, weights and KV split evenly).
-        mfu: fraction of dense BF16 peak the kernels reach, in (0, 1].
+        mfu: fraction of dense BF16 peak the matmuls (and mamba updates) reach, in (0, 1],
+            for every step; default (None): the GPU profile's measured curve by tokens per
+            step (:attr:`GpuProfile.matmul_efficiency`; mamba updates at its last point), else
+            :data:`DEFAULT_MFU`.
         mbu: fraction of peak HBM bandwidth the weight and KV reads reach, in (0, 1].
         host: the engine's own time (default: the GPU profile's).
         attention_efficiency: fraction of dense BF16 peak the attention kernels reach on
@@ -851,6 +924,10 @@ def roofline_step_model(
     """
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    curve: tuple[tuple[int, float], ...] = ()
+    if mfu is None:
+        curve = gpu.matmul_efficiency
+        mfu = curve[-1][1] if curve else DEFAULT_MFU
     mfu = _fraction("roofline_step_model", "mfu", mfu)
     mbu = _fraction("roofline_step_model", "mbu", mbu)
     if attention_efficiency is None:
@@ -889,6 +966,7 @@ def roofline_step_model(
         pair_flops_per_s=tuple(pair_rates),
         expert_bytes=expert_bytes / tp,
         expert_idle=1.0 - shape.experts_per_token / shape.experts if expert_bytes else 0.0,
+        token_rate_curve=tuple((t, gpu.dense_bf16_flops * e) for t, e in curve),
     )
 
 

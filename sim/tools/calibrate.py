@@ -101,6 +101,7 @@ from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
 from sim.io.scenario import RunSpec, group_spec
 from sim.model.costs import (
+    DEFAULT_MFU,
     GPU_PROFILES,
     HostOverhead,
     RooflineStepModel,
@@ -697,12 +698,16 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         InputError: a successful request with a TTFT of 0.
     """
     hw = spec.hardware
+    g = GPU_PROFILES[hw.gpu]
+    # the fit models the matmuls with one constant efficiency: the scenario's, else the
+    # profile's large-step figure (the last point of its measured curve), else the default
+    mfu = hw.mfu if hw.mfu is not None else (g.matmul_efficiency[-1][1] if g.matmul_efficiency
+                                              else DEFAULT_MFU)
     start = {"host_step_s": hw.host_step_s, "host_per_request_s": hw.host_per_request_s,
-             "mfu": hw.mfu, "mbu": hw.mbu}
+             "mfu": mfu, "mbu": hw.mbu}
     for i in index:
         if run.ttfts[i] <= 0:
             raise InputError(run.source, f"ttfts[{i}]", "0 s for a successful request", "a TTFT > 0")
-    g = GPU_PROFILES[hw.gpu]
     lower = np.array([0.0, 0.0, 1.0 / g.dense_bf16_flops, 1.0 / g.hbm_bandwidth_bytes_per_s])
     free = np.array([k in fit for k in FIT_KEYS])
     v = dict(start)

@@ -61,7 +61,7 @@ from sim.errors import InputError
 from sim.io.scenario import build_run, located
 from sim.io.schema import Strict
 from sim.io.workload import Request, chain_hash
-from sim.model.costs import DEFAULT_MFU, RooflineStepModel
+from sim.model.costs import GPU_PROFILES, RooflineStepModel
 
 __all__ = ["CaseResult", "PublishedCase", "ValidationFile", "load_cases", "replay", "throughput", "ttft_pair"]
 
@@ -228,7 +228,8 @@ def _spec(case: PublishedCase, base: Path, mfu: float | None = None) -> Any:
     step = spec.step_cost
     if not isinstance(step, RooflineStepModel):
         raise ValueError(f"case {case.id}: mfu applies to the roofline step model only")
-    scaled = dataclasses.replace(step, flops_per_s=step.flops_per_s * mfu / DEFAULT_MFU)
+    peak = GPU_PROFILES[spec.hardware.gpu].dense_bf16_flops
+    scaled = dataclasses.replace(step, flops_per_s=peak * mfu, token_rate_curve=())
     return dataclasses.replace(spec, step_cost=scaled)
 
 
@@ -248,7 +249,7 @@ def _first_phase_done(df: Any, case: PublishedCase) -> None:
 
 def ttft_pair(case: PublishedCase, base: Path, mfu: float | None = None) -> tuple[float, float]:
     """Cold and CPU-hit TTFT (s) of the case's prompt, each alone on an idle engine (``mfu``:
-    a what-if efficiency of the matmuls instead of :data:`~sim.model.costs.DEFAULT_MFU`;
+    a what-if constant efficiency of the matmuls instead of the GPU profile's, for every step;
     attention pairs keep their own)."""
     spec = _spec(case, base, mfu)
     tph = spec.layout.tokens_per_hash

@@ -12,14 +12,18 @@ against brute-force sums over the causal mask; the acceptance check of issue
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
+from sim.io.scenario import group_spec, load_model_file, load_run, scenarios_dir, step_model_for
 from sim.model.costs import (
+    DEFAULT_MFU,
     GPU_PROFILES,
+    HOPPER_MATMUL_EFFICIENCY,
     HostOverhead,
     ModelShape,
     RooflineStepModel,
@@ -158,9 +162,12 @@ def test_llama_8b_prefill_figures_by_hand() -> None:
     g = GPU_PROFILES["h100"]
     params = 8_029_995_008
     emb = 128256 * 4096
-    matmuls = 2 * (params - 2 * emb) * 1000 + 2 * emb      # at mfu 0.5
+    matmuls = 2 * (params - 2 * emb) * 1000 + 2 * emb
+    # at the H100's measured matmul efficiency for 1,000 tokens: between its points
+    # (516, 0.488) and (1032, 0.591)
+    mfu = 0.488 + (0.591 - 0.488) * (1000 - 516) / (1032 - 516)
     attention = 4 * 32 * 128 * 32 * 500_500                 # at the attention efficiency 0.62
-    compute = matmuls / (g.dense_bf16_flops * 0.5) + attention / (g.dense_bf16_flops * 0.62)
+    compute = matmuls / (g.dense_bf16_flops * mfu) + attention / (g.dense_bf16_flops * 0.62)
     memory = (2 * params + 1000 * 131_072) / (g.hbm_bandwidth_bytes_per_s * 0.8)
     assert compute > memory                    # a 1,000-token prefill is compute-bound
     want = 1.4e-3 + 15e-6 + compute
@@ -276,11 +283,11 @@ def test_pair_flops_per_kind() -> None:
     q = step_model_for("h200", "qwen3-next-80b-a3b", tensor_parallel=2)
     assert q.pair_flops == (7 * 524_288 * 12 / 2,) * 3 + (4 * 16 * 256 * 12 / 2,)
     # attention pairs run at the attention efficiency (FlashAttention-3's measured 0.62 of peak),
-    # mamba updates at the matmuls' mfu (0.5)
+    # mamba updates at the matmuls' large-step efficiency (the H200 curve's last point, 0.633)
     peak = GPU_PROFILES["h200"].dense_bf16_flops
     assert m.pair_flops_per_s == (peak * 0.62, peak * 0.62)
-    assert q.pair_flops_per_s == (peak * 0.5,) * 3 + (peak * 0.62,)
-    assert q.flops_per_s == peak * 0.5
+    assert q.pair_flops_per_s == (peak * 0.633,) * 3 + (peak * 0.62,)
+    assert q.flops_per_s == peak * 0.633
 
 
 def test_attention_efficiency_is_the_gpus_measurement_where_one_exists() -> None:
@@ -368,3 +375,70 @@ def test_roofline_time_is_monotone_in_every_input(p: int, d: int, n: int, kv: in
             {"kv_read_bytes": kv + 10**6}, {"pairs": (a + 1, b)}, {"pairs": (a, b + 1)}]
     for change in more:
         assert m.time(dataclasses.replace(base, **change)) >= t  # type: ignore[arg-type]
+
+
+# -- the matmul efficiency by tokens per step ---------------------------------------------------------
+
+
+def test_hopper_curve_is_what_the_measured_rows_give() -> None:
+    """HOPPER_MATMUL_EFFICIENCY is benchmarks/matmul_efficiency.py's derivation from
+    Vidur's H100 operator profile, not a number typed in."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "matmul_efficiency.py"
+    spec = importlib.util.spec_from_file_location("matmul_efficiency", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.window_points() == HOPPER_MATMUL_EFFICIENCY
+    # the measured shape: small steps reach less of the peak than large ones
+    effs = [e for _, e in HOPPER_MATMUL_EFFICIENCY]
+    assert effs == sorted(effs) and effs[0] < 0.5 < effs[-1]
+
+
+def test_token_rate_interpolates_between_points_and_is_flat_outside() -> None:
+    m = RooflineStepModel(token_flops=1.0, sample_flops=0.0, pair_flops=(), weight_bytes=0.0,
+                          flops_per_s=3.0, bytes_per_s=1.0, token_rate_curve=((100, 1.0), (300, 2.0)))
+    assert m.token_rate(1) == 1.0
+    assert m.token_rate(100) == 1.0
+    assert m.token_rate(200) == 1.5
+    assert m.token_rate(300) == 2.0
+    assert m.token_rate(10_000) == 2.0
+    # 200 token FLOPs at 1.5 FLOP/s
+    assert m.compute_s(StepLoad(prefill_tokens=150, decode_seqs=50, requests=0)) == 200 / 1.5
+    flat = dataclasses.replace(m, token_rate_curve=())
+    assert flat.token_rate(200) == 3.0
+    for bad in (((300, 1.0), (100, 2.0)), ((100, 1.0), (100, 2.0)), ((0, 1.0),), ((100, 0.0),)):
+        with pytest.raises(ValueError):
+            dataclasses.replace(m, token_rate_curve=bad)
+
+
+def test_profiles_with_a_measured_curve_use_it_unless_mfu_is_given() -> None:
+    shape, groups = shipped("llama-3.1-8b")
+    for name in ("h100", "h200"):
+        g = GPU_PROFILES[name]
+        assert g.matmul_efficiency == HOPPER_MATMUL_EFFICIENCY
+        m = roofline_step_model(g, shape, groups)
+        assert m.token_rate_curve == tuple((t, g.dense_bf16_flops * e) for t, e in HOPPER_MATMUL_EFFICIENCY)
+        assert m.flops_per_s == g.dense_bf16_flops * HOPPER_MATMUL_EFFICIENCY[-1][1]
+        small = StepLoad(prefill_tokens=256, decode_seqs=0, requests=1, pairs=(0,))
+        big = StepLoad(prefill_tokens=8192, decode_seqs=0, requests=1, pairs=(0,))
+        # per token, a small step's matmuls take longer than a large step's
+        assert m.compute_s(small) / 256 > m.compute_s(big) / 8192
+        fixed = roofline_step_model(g, shape, groups, mfu=0.5)
+        assert fixed.token_rate_curve == () and fixed.flops_per_s == g.dense_bf16_flops * 0.5
+    # no measurement for the H20: the default constant
+    h20 = roofline_step_model(GPU_PROFILES["h20"], shape, groups)
+    assert h20.token_rate_curve == () and h20.flops_per_s == 148e12 * DEFAULT_MFU
+
+
+def test_scenario_mfu_replaces_the_curve() -> None:
+    """A run's ``hardware.mfu`` (or a hardware file's) is a constant for every step; left
+    out, the run gets its GPU's curve, and its resolved scenario does not name an mfu."""
+    default = scenarios_dir() / "default.toml"
+    curve = load_run(default, []).step_cost
+    assert isinstance(curve, RooflineStepModel) and curve.token_rate_curve
+    assert "mfu" not in load_run(default, []).resolved()["hardware"]
+    run = load_run(default, ["hardware.mfu=0.42"])
+    fixed = run.step_cost
+    assert isinstance(fixed, RooflineStepModel) and fixed.token_rate_curve == ()
+    assert fixed.flops_per_s == GPU_PROFILES["h200"].dense_bf16_flops * 0.42
+    assert run.resolved()["hardware"]["mfu"] == 0.42
