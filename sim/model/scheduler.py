@@ -69,11 +69,13 @@ What it models
 Simplifications
     * One engine, one worker (no tensor/pipeline/data parallelism), no
       speculative decoding, no encoder inputs, no LoRA, no priorities.
-    * The waiting queue is FCFS with a skipped queue in front (vLLM 0.30);
-      the async-load admission reservation (``reserved_blocks``: blocks that
-      in-flight prefills still need, held back from a request whose load is
-      asynchronous) is not modelled; the allocator's watermark is vLLM's
-      default, 0. Mamba groups have no admission cap here.
+    * The waiting queue is FCFS with a skipped queue in front (vLLM 0.30).
+      The async-load admission reservation is vLLM's (0.29-0.33): a request
+      whose load is asynchronous is admitted only if its slots fit in the free
+      blocks less what the in-flight prefills (requests admitted with an
+      asynchronous load, or still prefilling) need for their whole sequence.
+      The allocator's watermark is vLLM's default, 0. Mamba groups have no
+      admission cap here.
     * A new request that cannot fit even in an empty GPU is rejected
       (recorded) instead of waiting forever; waiting requests holding blocks
       while nothing runs are preempted (deadlock breaker, see
@@ -662,6 +664,11 @@ class Scheduler:
         self.snapshot_lookup: tuple[str, float] | None = None
         #: per group, the most blocks the full-input admission check requires (None: off)
         self.admit_caps = admission_caps(layout, cfg.max_num_batched_tokens) if cfg.reserve_full_isl else None
+        #: vLLM's in-flight prefills (``Scheduler._inflight_prefills``): requests admitted with an
+        #: asynchronous load, or admitted and still prefilling after the step; what they still
+        #: need for their whole sequence is held back from an admission with an async load
+        self._inflight: dict[str, LiveRequest] = {}
+        self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -720,6 +727,11 @@ class Scheduler:
             self._release(r)
         self.finished_pending = []
         load_jobs = tuple(self._job(p, "h2d") for p in loads)
+        inflight = self._inflight
+        if inflight:   # vLLM drops a request from its in-flight prefills once a step completes its input
+            for r, num_new, _ in sched:
+                if r.num_computed + num_new >= r.num_tokens:
+                    inflight.pop(r.req_id, None)
         load = self.context.load([(r.num_computed, num_new, r.num_computed >= r.num_prompt_tokens
                                    and r.num_computed == r.num_tokens - 1) for r, num_new, _ in sched])
         return StepPlan(tuple(sched), tuple(admitted), tuple(preempted), load_jobs, store_jobs,
@@ -847,7 +859,8 @@ class Scheduler:
             r.deferred_since = None
         comp = local_tokens + ext
         num_new = 0 if load_async else min(r.num_tokens - comp, budget)
-        alloc = self._allocate_new(r, local, local_tokens, ext, comp + num_new)
+        reserved = self._inflight_reserved() if load_async else 0
+        alloc = self._allocate_new(r, local, local_tokens, ext, comp + num_new, reserved)
         if alloc is None:
             return self._no_room(r)
         load: LoadPlan | None = None
@@ -873,6 +886,7 @@ class Scheduler:
         if load is not None:
             self._wait_for_load(r, load, ext)
             return Admission(AdmitOutcome.ADMITTED, 0, None, load)
+        self._track_prefill(r, comp + num_new)
         self._commit(r, comp + num_new)
         r.thr_slots, r.thr_comp = self._thresholds(r.req_id)
         return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
@@ -886,16 +900,27 @@ class Scheduler:
             self._reproduce(r, local_tokens, "divergence", "lookup", (), ())
 
     def _allocate_new(self, r: LiveRequest, local: Any, local_tokens: int, ext: int,
-                      num_slots: int) -> Allocation | None:
+                      num_slots: int, reserved: int = 0) -> Allocation | None:
         """The first allocation of ``r``; None when the pool cannot take it now, including
-        when blocks for its whole input would not fit (vLLM's full-input reservation)."""
+        when blocks for its whole input would not fit (vLLM's full-input reservation), or
+        when its slots do not fit beside ``reserved`` blocks held back for in-flight
+        prefills (an admission with an asynchronous load)."""
         gpu = self.gpu
         caps = self.admit_caps
         if caps is not None and gpu.blocks_needed(local, local_tokens, ext, r.num_tokens,
                                                   caps) > gpu.pool.num_free:
             return None
+        if reserved and gpu.blocks_needed(local, local_tokens, ext, num_slots) > gpu.pool.num_free - reserved:
+            return None
         alloc: Allocation | None = gpu.allocate_new(r.req_id, local, local_tokens, ext, num_slots)
         return alloc
+
+    def _inflight_reserved(self) -> int:
+        """Blocks the in-flight prefills still need for their whole sequence, each
+        sliding-window or chunked-local group at its admission cap (vLLM's
+        ``_inflight_prefill_reserved_blocks``)."""
+        gpu, caps = self.gpu, self._reserve_caps
+        return sum(gpu.more_blocks_needed(q.req_id, q.num_tokens, caps) for q in self._inflight.values())
 
     def _admit_loaded(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
         """Admit a request whose load completed (its blocks are allocated)."""
@@ -958,8 +983,16 @@ class Scheduler:
         if load.hazards:
             self._reproduce(r, local_tokens, "hazard", load.hazards[0].kind, load.keys, load.unsafe)
 
+    def _track_prefill(self, r: LiveRequest, tokens_after_step: int) -> None:
+        """An admitted request that will still be prefilling after this step is an
+        in-flight prefill (vLLM's ``_inflight_prefills``)."""
+        if tokens_after_step < r.num_tokens:
+            self._inflight[r.req_id] = r
+
     def _wait_for_load(self, r: LiveRequest, load: LoadPlan, ext: int) -> None:
-        """``r`` waits for its load of ``ext`` tokens (vLLM WAITING_FOR_REMOTE_KVS)."""
+        """``r`` waits for its load of ``ext`` tokens (vLLM WAITING_FOR_REMOTE_KVS); it is
+        an in-flight prefill until a step completes its input."""
+        self._inflight[r.req_id] = r
         r.status = _WAITING_FOR_KV
         r.load_job = load.job_id
         r.load_ready = False
@@ -980,8 +1013,8 @@ class Scheduler:
         else other waiting requests (loaded, or partly prefilled) hold blocks
         that nothing frees: preempt them all and stop admitting this step, so
         that ``r`` has the pool to itself next step (deadlock breaker: vLLM
-        avoids most of these states with an admission reservation for async
-        loads, which is not modelled)."""
+        avoids most of these states with its admission reservation for async
+        loads, which kvsim models too, and has no such breaker)."""
         if self.running:
             return _FULL
         if self.in_flight or self._loads_this_step:
@@ -995,6 +1028,7 @@ class Scheduler:
         for v in [q for q in self.requests.values() if q is not r and q.req_id in gpu.req_blocks
                   and (q.status is not _WAITING_FOR_KV or q.load_ready)]:
             gpu.free(v.req_id)
+            self._inflight.pop(v.req_id, None)
             v.num_computed = 0
             v.status = _WAITING
             v.load_job = None
@@ -1026,6 +1060,7 @@ class Scheduler:
     def _preempt(self, r: LiveRequest) -> None:
         """Recompute preemption: blocks freed, back to the front of the waiting queue."""
         self.gpu.free(r.req_id)
+        self._inflight.pop(r.req_id, None)
         r.num_computed = 0
         r.status = _WAITING
         r.preemptions += 1
@@ -1137,6 +1172,7 @@ class Scheduler:
         ``remove_skipped_blocks`` before the connector sees the request): they
         reach the head of the free queue before the rest of its blocks."""
         self.running.remove(r)
+        self._inflight.pop(r.req_id, None)
         r.status = _FINISHED
         r.finish_s = self.now
         if self.conn is not None:
@@ -1171,6 +1207,7 @@ class Scheduler:
     # -- leaving ----------------------------------------------------------------------------
 
     def _reject(self, r: LiveRequest, reason: str) -> None:
+        self._inflight.pop(r.req_id, None)
         r.status = _REJECTED
         r.finish_s = self.now
         self._event("rejected", "too_long", r.req_id, -1, -1,

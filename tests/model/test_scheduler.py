@@ -165,6 +165,41 @@ def test_async_load_waits_for_kv_until_its_completion_is_applied() -> None:
     assert b.first_token_s == 4.0 and b.computed_tokens == 8 and b.gpu_hit_tokens == 0
 
 
+def test_an_async_load_is_admitted_only_beside_what_in_flight_prefills_still_need() -> None:
+    """vLLM's admission reservation for asynchronous loads (0.29-0.33,
+    ``_inflight_prefill_reserved_blocks``). The CPU cache holds 64 tokens of two prompts;
+    "a" (88 tokens) is admitted with its load and 4 blocks, and still needs 2 to finish
+    its prompt. "b" (72 tokens) needs 4 blocks for its load and 5 for its whole input:
+    both fit in the 5 free blocks, but not its load beside a's 2 held back, so it waits
+    (without the reservation it would be admitted in the first step). Once a's prefill is
+    done a holds nothing back; b is admitted when a's blocks come back."""
+    w = World(gpu_blocks=10, cpu_capacity_chunks=10)
+    cpu = w.sched.cpu
+    assert cpu is not None
+    ra, rb = make_request("a", 88, 2, prefix=3), make_request("b", 72, 2, prefix=5)
+    for r in (ra, rb):
+        stored = cpu.prepare_store(FA16.offload_keys(0, r.block_hashes[:4]))
+        assert stored is not None
+        cpu.complete_store(stored.keys)
+    a, b = w.sched.add_request(ra), w.sched.add_request(rb)
+    plan, _ = w.step()
+    assert plan.admitted == (a,) and [j.chunks for j in plan.loads] == [4]
+    assert b.status is RequestStatus.WAITING and w.blocks("b") == 0
+    assert w.sched.gpu.pool.num_free == 5
+    load = plan.loads[0].plan
+    plan, _ = w.step([load])          # a's load completes during this step; b still waits
+    assert not plan.admitted and b.status is RequestStatus.WAITING
+    plan, _ = w.step()                # a is promoted and prefills its last 24 tokens
+    assert batch(plan) == [("a", 24)] and not plan.loads
+    assert "a" not in w.sched._inflight   # its input is complete: nothing held back for it
+    while a.status is not RequestStatus.FINISHED:
+        plan, _ = w.step()
+        assert not plan.admitted          # a's 6 blocks leave 3: b's whole input does not fit
+    plan, _ = w.step()
+    assert plan.admitted == (b,) and [j.chunks for j in plan.loads] == [4]
+    assert b.status is RequestStatus.WAITING_FOR_KV and "b" in w.sched._inflight
+
+
 def test_lookup_deferral_is_counted_and_retried_next_step() -> None:
     """The chunks are still pending their store: the lookup asks to be asked
     again (counted per reason), the request stays at the head of the skipped
