@@ -149,6 +149,14 @@ def test_compare_steps_field_by_field() -> None:
     assert compare_steps(crash, StepDecisions(1.0, {}, crashes=(("r1", "missing_chunk"),)), rep) is None
     d = compare_steps(crash, _step(r1={"scheduled": 4}), rep)
     assert d is not None and d.what == "crashes"
+    # vLLM stops at the first crash of a step: kvsim's later crashes in it are not compared,
+    # but a different first one, or one vLLM makes alone, is a divergence
+    two = StepDecisions(1.0, {}, crashes=(("r1", "missing_chunk"), ("r2", "missing_chunk")))
+    assert compare_steps(two, StepDecisions(1.0, {}, crashes=(("r1", "missing_chunk"),)), rep) is None
+    d = compare_steps(two, StepDecisions(1.0, {}, crashes=(("r2", "missing_chunk"),)), rep)
+    assert d is not None and d.what == "crashes"
+    d = compare_steps(_step(), StepDecisions(1.0, {}, crashes=(("r1", "missing_chunk"),)), rep)
+    assert d is not None and d.what == "crashes"
 
 
 def test_a_diverging_lookup_gets_a_check_case_with_vllms_answer(tmp_path: Path) -> None:
