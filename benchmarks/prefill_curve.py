@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# prefill curve: model {args.model}, GPU {args.gpu}, tensor_parallel {args.tp}, "
           f"max_num_batched_tokens {args.budget}")
     pairs = ", ".join(f"{f:.4g}" for f in model.pair_flops)
+    curve = model.token_rate_curve
+    rate = (f"{curve[0][1]:.4g}-{curve[-1][1]:.4g} FLOP/s by tokens per step "
+            f"({curve[0][0]:,}-{curve[-1][0]:,})" if curve else f"{model.flops_per_s:.4g} FLOP/s")
     print(f"# step model: token {model.token_flops:.4g} FLOP, LM head {model.sample_flops:.4g} FLOP/request, "
           f"pairs {pairs} FLOP, weights {model.weight_bytes:.4g} B, "
-          f"{model.flops_per_s:.4g} FLOP/s (attention pairs: "
+          f"{rate} (attention pairs: "
           f"{', '.join(f'{r:.4g}' for r in model.pair_flops_per_s) or 'the same'}), "
           f"{model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
           f"{model.host.per_request_s:g} s/request")
