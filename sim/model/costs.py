@@ -362,7 +362,7 @@ class RooflineStepModel:
         bytes_per_s: effective HBM bytes/s (peak x mbu).
         pair_flops_per_s: per KV cache group, the effective FLOP/s of its pairs (attention
             kernels reach a different fraction of peak than the matmuls); empty: every
-            group at ``flops_per_s``.
+            group at the token FLOPs' rate (:meth:`token_rate`).
         host: the engine's own time per step.
         expert_bytes: the routed experts' share of ``weight_bytes`` (0: a dense model).
         expert_idle: the chance that one token leaves a given routed expert idle,
@@ -431,18 +431,12 @@ class RooflineStepModel:
         :meth:`token_rate`, each group's pairs at their own rate)."""
         tokens = load.prefill_tokens + load.decode_seqs
         flops = self.token_flops * tokens + self.sample_flops * load.requests
-        if self.token_rate_curve:
-            t = flops / self.token_rate(tokens)
-            for f, n, r in zip(self.pair_flops, load.pairs,
-                               self.pair_flops_per_s or (self.flops_per_s,) * len(self.pair_flops),
-                               strict=True):
-                t += f * n / r
-            return t
+        rate = self.token_rate(tokens)
         if not self.pair_flops_per_s:
             for f, n in zip(self.pair_flops, load.pairs, strict=True):
                 flops += f * n
-            return flops / self.flops_per_s
-        t = flops / self.flops_per_s
+            return flops / rate
+        t = flops / rate
         for f, n, r in zip(self.pair_flops, load.pairs, self.pair_flops_per_s, strict=True):
             t += f * n / r
         return t
@@ -570,6 +564,11 @@ class GpuProfile:
     sources: tuple[str, ...]
     attention_efficiency: float | None = None
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def large_step_mfu(self) -> float:
+        """The matmuls' efficiency of a large step: the curve's last point, else :data:`DEFAULT_MFU`."""
+        return self.matmul_efficiency[-1][1] if self.matmul_efficiency else DEFAULT_MFU
 
     def __post_init__(self) -> None:
         owner = f"GpuProfile({self.name!r})"
@@ -927,7 +926,7 @@ def roofline_step_model(
     curve: tuple[tuple[int, float], ...] = ()
     if mfu is None:
         curve = gpu.matmul_efficiency
-        mfu = curve[-1][1] if curve else DEFAULT_MFU
+        mfu = gpu.large_step_mfu
     mfu = _fraction("roofline_step_model", "mfu", mfu)
     mbu = _fraction("roofline_step_model", "mbu", mbu)
     if attention_efficiency is None:

@@ -662,13 +662,14 @@ class Scheduler:
         #: (request, time): snapshot that request's lookup at that time as a reproducer
         #: (the differential mode's check/1 file of a diverging lookup; None: none)
         self.snapshot_lookup: tuple[str, float] | None = None
-        #: per group, the most blocks the full-input admission check requires (None: off)
-        self.admit_caps = admission_caps(layout, cfg.max_num_batched_tokens) if cfg.reserve_full_isl else None
+        #: per group, the most blocks one request is required to hold (vLLM's admission cap)
+        self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
+        #: the same caps for the full-input admission check (None: off)
+        self.admit_caps = self._reserve_caps if cfg.reserve_full_isl else None
         #: vLLM's in-flight prefills (``Scheduler._inflight_prefills``): requests admitted with an
         #: asynchronous load, or admitted and still prefilling after the step; what they still
         #: need for their whole sequence is held back from an admission with an async load
         self._inflight: dict[str, LiveRequest] = {}
-        self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -101,7 +101,6 @@ from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
 from sim.io.scenario import RunSpec, group_spec
 from sim.model.costs import (
-    DEFAULT_MFU,
     GPU_PROFILES,
     HostOverhead,
     RooflineStepModel,
@@ -701,8 +700,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
     g = GPU_PROFILES[hw.gpu]
     # the fit models the matmuls with one constant efficiency: the scenario's, else the
     # profile's large-step figure (the last point of its measured curve), else the default
-    mfu = hw.mfu if hw.mfu is not None else (g.matmul_efficiency[-1][1] if g.matmul_efficiency
-                                              else DEFAULT_MFU)
+    mfu = hw.mfu if hw.mfu is not None else g.large_step_mfu
     start = {"host_step_s": hw.host_step_s, "host_per_request_s": hw.host_per_request_s,
              "mfu": mfu, "mbu": hw.mbu}
     for i in index:
