@@ -250,6 +250,9 @@ class _ReqState:
     #: end token of each key (filled only for request-scoped CPU recency)
     ends: dict[OffloadKey, int] = field(default_factory=dict)
     finished: bool = False
+    #: the finished request's final stores were built (vLLM's ``finished_signaled``): only
+    #: then does the completion of its last job forget it
+    signaled: bool = False
     #: every prompt chunk is past ``next_stored`` and only prompt KV is offloaded:
     #: until the request finishes (or is looked up again) no store can be built
     store_quiet: bool = False
@@ -1085,7 +1088,7 @@ class OffloadingScheduler:
         st = self._reqs.get(job.req_id)
         if st is not None:
             st.jobs.discard(job_id)
-            if st.finished and not st.jobs:
+            if st.signaled and not st.jobs:   # not before its final stores were built
                 self._forget(job.req_id)
         return job.req_id, job.is_store
 
@@ -1109,9 +1112,13 @@ class OffloadingScheduler:
             self.cpu.finish_request(req_id)
 
     def drop_if_idle(self, req_id: str) -> None:
-        """Forget a finished request once it has no job in flight."""
+        """A finished request's final stores are built (vLLM: ``finished_signaled``): forget
+        it now if it has no job in flight, else when its last job completes."""
         st = self._reqs.get(req_id)
-        if st is not None and st.finished and not st.jobs:
+        if st is None or not st.finished:
+            return
+        st.signaled = True
+        if not st.jobs:
             self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:

@@ -413,6 +413,37 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
         assert (bytes_[s], pairs[s]) == (step.kv_read_bytes, step.pairs)
 
 
+def test_a_finished_request_whose_last_store_completes_as_it_finishes_still_stores() -> None:
+    """vLLM keeps a finished request's connector state until its final stores are built
+    (``finished_signaled``, set by the next ``build_connector_meta``), even when its last
+    store job completes in the very update in which it finishes. Here "a" (63 prompt
+    tokens, one output token, OLD logic, all tokens offloaded) prefills in two steps
+    storing chunks 0-1 and 2; both stores complete in the update where it finishes; its
+    final store (chunk 3: OLD stores up to the sampled token) comes with the next step.
+    kvsim forgot the request at that completion and built no final store (found by the
+    differential mode: gemma-3-27b, 8 GiB ARC, vLLM 0.29, a refused offer made again at
+    the finish)."""
+    w = World(gpu_blocks=20, cpu_capacity_chunks=100, window_logic="old", offload_prompt_only=False,
+              max_num_batched_tokens=32)
+    a = w.add("a", 63, 1, prefix=1)
+    plan, _ = w.step()
+    assert batch(plan) == [("a", 32)] and [j.chunks for j in plan.stores] == [2]
+    first = plan.stores[0].plan
+    assert isinstance(first, StorePlan)
+    plan = w.sched.schedule(1.0)
+    assert batch(plan) == [("a", 31)] and [j.chunks for j in plan.stores] == [1]
+    second = plan.stores[0].plan
+    assert isinstance(second, StorePlan)
+    out = w.sched.update_from_output(2.0, plan, [first, second])   # both done as "a" finishes
+    assert [r.req_id for r in out.finished] == ["a"] and out.polled == 2 and a.num_tokens == 64
+    plan = w.sched.schedule(2.0)
+    assert [(j.req_id, j.chunks) for j in plan.stores] == [("a", 1)]
+    final = plan.stores[0].plan
+    assert isinstance(final, StorePlan) and list(final.keys) == FA16.offload_keys(0, a.block_hashes[3:4])
+    w.sched.update_from_output(3.0, plan, [final])
+    assert w.released == ["a"] and not w.sched.conn.has_request("a")
+
+
 def test_a_finished_request_frees_its_skipped_window_blocks_first() -> None:
     """With offloading, vLLM's ``_connector_finished`` frees the window blocks a finished
     request no longer attends over (``remove_skipped_blocks``) before its other blocks, so

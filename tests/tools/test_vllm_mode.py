@@ -241,6 +241,20 @@ def test_a_preempted_request_goes_before_deferred_ones(vllm_python: tuple[str, P
     assert sum(summary["engine"]["deferral_reasons"].values()) > 100
 
 
+def test_a_finished_request_keeps_its_final_store(vllm_python: tuple[str, Path], tmp_path: Path,
+                                                   traces_dir: Path) -> None:
+    """Lockstep on the gemma-3-27b point with ARC: 0 divergences in every release. Under
+    0.29 request r000033 finishes at t = 39.92 s in the same update in which its last store
+    job completes, after an offer the full cache refused; vLLM keeps it until its final
+    store is built the next step (``finished_signaled``) and stores its 609 chunks then
+    (docs/vllm.md, finding 15; before the fix kvsim forgot it and stored nothing)."""
+    _version, python = vllm_python
+    _, summary, _ = _lockstep(python, _write(tmp_path, GEMMA_MOONCAKE, "gemma"), tmp_path,
+                              'cpu_cache.policy="arc"')
+    assert summary["differential"]["divergences"] == 0, summary["differential"]
+    assert summary["differential"]["decisions"] > 1000
+
+
 @pytest.mark.slow
 def test_the_default_study_agrees_with_every_release(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
     """Lockstep on the default study (``scenarios/default.toml``, unchanged): 0 divergences in
