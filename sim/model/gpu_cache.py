@@ -19,6 +19,11 @@ What it models
     the step needs (``cdiv(N + new tokens + lookahead, bs)``). Fresh blocks
     carry no hash until they are committed.
 
+    Mamba groups are modelled as vLLM's ``mamba_cache_mode = "all"`` (a state
+    block per block, all but the last freed at the next step; checked against
+    vLLM 0.29 and 0.30 in that mode, docs/vllm.md finding 13); vLLM's default
+    with prefix caching, ``"align"`` (the only mode of 0.33), is not modelled.
+
 Simplifications
     * The admission check counts the blocks the request still needs, without
       vLLM's watermark or the cost of evicting cached blocks.
@@ -413,7 +418,8 @@ class GpuKVCache:
         nulls = [0] * ngroups
         # phase 1: local hits after the null padding, every group first
         for g in range(ngroups):
-            skip = self.layout.groups[g].skipped_tokens(n_comp) // self._bs[g]
+            # a Mamba group at 0 computed tokens skips -1 tokens: nothing (vLLM frees nothing then)
+            skip = max(0, self.layout.groups[g].skipped_tokens(n_comp) // self._bs[g])
             kept = list(local[g][skip:])
             pool.touch(kept)
             lists[g].extend([pool.null_block] * skip)

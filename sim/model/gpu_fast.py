@@ -78,11 +78,7 @@ Why the decisions are the same
     count and hash and the prefix-cache map after every call.
 
 Simplifications
-    None beyond the reference's (its docstring lists them); its quirks are kept
-    too: a Mamba group of a request allocated with no computed tokens records
-    ``-1`` skipped blocks, so its next ``remove_skipped`` also frees the
-    request's last block (``blocks[-1]``), or raises IndexError when the list
-    is empty.
+    None beyond the reference's (its docstring lists them).
 
 Invariants (:meth:`FastBlockPool.check_invariants`)
     * a block is a valid free-queue entry exactly when its ref count is 0;
@@ -904,7 +900,7 @@ class GpuFastCache:
         nulls = [0] * ngroups
         # phase 1: local hits after the null padding, every group first
         for g in range(ngroups):
-            skip = groups[g].skipped_tokens(n_comp) // self._bs[g]
+            skip = max(0, groups[g].skipped_tokens(n_comp) // self._bs[g])   # Mamba at 0: -1 tokens
             kept = list(local[g][skip:])
             pool.touch(kept)
             lst = lists[g]

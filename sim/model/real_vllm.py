@@ -65,6 +65,7 @@ import os
 import sys
 import tempfile
 import traceback
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ _NAMES = {
     "KVCacheConfig": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
     "KVCacheGroupSpec": ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec"),
     "MambaSpec": ("vllm.v1.kv_cache_interface", "MambaSpec"),
+    "MambaCacheMode": ("vllm.config.cache", "MambaCacheMode"),
     "SlidingWindowSpec": ("vllm.v1.kv_cache_interface", "SlidingWindowSpec"),
     "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
     "ModelRunnerOutput": ("vllm.v1.outputs", "ModelRunnerOutput"),
@@ -327,12 +329,20 @@ class RealVllmScheduler:
                 specs.append(v["ChunkedLocalAttentionSpec"](**common, attention_chunk_size=g.attention_chunk))
             elif g.kind is GroupKind.MAMBA:
                 specs.append(v["MambaSpec"](block_size=g.tokens_per_block, shapes=((1,),), dtypes=(f16,),
-                                            mamba_cache_mode="align"))
+                                            mamba_cache_mode=self._mamba_mode()))
             else:
                 specs.append(v["FullAttentionSpec"](**common))
         groups = [v["KVCacheGroupSpec"]([f"layer.{i}"], s, **({"is_eagle_group": True} if g.eagle else {}))
                   for i, (g, s) in enumerate(zip(self.layout.groups, specs, strict=True))]
         return v["KVCacheConfig"](num_blocks=cfg.gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def _mamba_mode(self) -> str:
+        """vLLM's Mamba cache mode for the run: "all" (a state block per block, what kvsim's
+        model allocates) where the installed vLLM has it, else "align" (vLLM 0.33, whose
+        prefix caching requires it); "none" without prefix caching."""
+        if not self.cfg.prefix_caching:
+            return "none"
+        return "all" if "all" in typing.get_args(self._v["MambaCacheMode"]) else "align"
 
     def _vllm_config(self) -> Any:
         """vLLM's config: a tiny local model, kvsim's budget and pool, the OffloadingConnector
@@ -354,6 +364,9 @@ class RealVllmScheduler:
         # kvsim's model keeps sliding-window checkpoints densely (vLLM's None); vLLM's own
         # default, 0, keeps only the replay boundary and shared-prefix junctions (docs/vllm.md)
         cache.prefix_cache_retention_interval = None
+        # kvsim's model allocates a Mamba state block per block, vLLM's "all" mode (0.29, 0.30);
+        # with prefix caching vLLM's default is "align", the only mode 0.33 has (finding 13)
+        cache.mamba_cache_mode = self._mamba_mode()
         transfer = v["KVTransferConfig"](kv_connector="OffloadingConnector", kv_role="kv_both",
                                          kv_connector_extra_config=extra) if cfg.offloading else None
         return v["VllmConfig"](model_config=model, scheduler_config=sched_cfg, cache_config=cache,

@@ -443,21 +443,23 @@ def test_pool_single_block_api_and_errors() -> None:
         pair.fast.allocate_new("x", ([], []), 0, 0, 4)
 
 
-def test_mamba_without_computed_tokens_keeps_reference_quirk() -> None:
-    """A Mamba group allocated at 0 computed tokens records -1 skipped blocks;
-    the reference's next remove_skipped then also frees the *last* block
-    (``blocks[-1]``), and raises IndexError on an empty list. Kept as is."""
+def test_mamba_allocated_without_computed_tokens_keeps_its_last_state_block() -> None:
+    """A Mamba group allocated at 0 computed tokens skips nothing; at 9 computed tokens
+    the next remove_skipped frees the blocks before the last state (blocks 0-1 of 3) and
+    keeps block 2, as vLLM does (its ``remove_skipped_blocks`` frees nothing for -1
+    skipped tokens). Until 2026-12-06 both caches recorded -1 skipped blocks and then
+    freed ``blocks[-1]`` too (docs/vllm.md, finding 13); an empty list now frees nothing."""
     layout = Layout.of([GroupSpec(GroupKind.MAMBA, 4)], tokens_per_hash=2)
     pair = Pair(layout, 20, True)
     pair.call("allocate_new", "r", ([],), 0, 0, 10)
+    assert pair.fast.block_ids("r") == [[1, 2, 3]]
     pair.call("remove_skipped", "r", 9)
     pair.check()
-    assert pair.fast.block_ids("r") == [[0, 0, 0]]
+    assert pair.fast.block_ids("r") == [[0, 0, 3]]
     pair.call("allocate_new", "e", ([],), 0, 0, 0)
-    with pytest.raises(IndexError):
-        pair.ref.remove_skipped("e", 5)
-    with pytest.raises(IndexError):
-        pair.fast.remove_skipped("e", 5)
+    pair.call("remove_skipped", "e", 5)
+    pair.check()
+    assert pair.fast.block_ids("e") == [[]]
 
 
 @given(bs=st.sampled_from([1, 2, 4, 8, 16, 32]), chunk=st.integers(1, 300), n=st.integers(0, 400))
