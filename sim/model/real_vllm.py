@@ -44,6 +44,11 @@ Simplifications (of the driving, not of vLLM's decisions)
       the crash is an ``events`` row and the request's ``crash`` column.
     * Synchronous scheduling (no async scheduling, no speculative decoding
       tokens), greedy single-token outputs with ``ignore_eos``.
+    * vLLM is configured for what kvsim's model implements, where its own default
+      differs: ``prefix_cache_retention_interval = None`` (dense sliding-window
+      checkpoints) and, with prefix caching, ``mamba_cache_mode = "all"`` where the
+      release has it (0.29, 0.30; vLLM's default and 0.33's only such mode is
+      ``"align"``, not modelled: docs/vllm.md, finding 13).
     * A completed transfer's chunks reach vLLM's CPU manager in the order the
       job was prepared in, not in the per-process order of vLLM's ``set`` of
       keys (see :meth:`RealVllmScheduler._watch_manager`).
