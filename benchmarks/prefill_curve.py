@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{rate} (attention pairs: "
           f"{', '.join(f'{r:.4g}' for r in model.pair_flops_per_s) or 'the same'}), "
           f"{model.bytes_per_s:.4g} B/s, host {model.host.step_s:g} s/step + "
-          f"{model.host.per_request_s:g} s/request")
+          f"{model.host.per_request_s:g} s/request + {model.host.per_block_s:g} s/prompt block")
     one = StepLoad(decode_seqs=1, requests=1, pairs=(0,) * len(layout.groups))
     print(f"# (a decode step of one sequence with no context: {model.time(one) * 1e3:.2f} ms)")
     base = chunked_prefill_time(model, layout, PROMPTS[0], args.budget)

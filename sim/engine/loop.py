@@ -38,9 +38,12 @@ What it models
         1. ``Scheduler.schedule``: the step's batch, admissions, preemptions,
            loads, stores and flush fences (see :mod:`sim.model.scheduler`);
         2. the worker: flushed stores are submitted and waited for, then the
-           stores deferred from the previous step and this step's loads are
-           submitted; the forward pass takes the cost model's step time; this
-           step's stores are deferred to the next step (spec §8.3);
+           stores deferred from the previous step are submitted; the
+           scheduler's per-block time passes (``before_loads_s``: part of the
+           step's time, or the whole time of a step that only admits loads),
+           then this step's loads are submitted; the forward pass takes the
+           rest of the cost model's step time; this step's stores are deferred
+           to the next step (spec §8.3);
         3. ``Scheduler.update_from_output``: computed tokens advance, tokens
            are sampled, stop conditions finish requests, then the transfer
            completions polled at the step's end (in completion order, h2d
@@ -109,7 +112,7 @@ from sim.engine.metrics import (
     TransferRow,
 )
 from sim.model.connector import LoadPlan, StorePlan
-from sim.model.costs import ZERO_TRANSFER, TransferModel
+from sim.model.costs import ZERO_TRANSFER, TransferModel, before_loads_s
 from sim.model.future import FutureUses
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
@@ -396,11 +399,16 @@ class Engine:
         new_stores = [self._transfer(j) for j in plan.stores]
         start = env.now
         yield from self._submit_stores(plan.flush, new_stores)
+        # the scheduler's per-block time comes before the step's loads are submitted
+        cost = self.cfg.step_cost
+        pre = before_loads_s(cost, plan.load, bool(plan.scheduled))
+        if pre:
+            yield At(env, pre, LATE)
         for j in plan.loads:
             self.h2d.submit(self._transfer(j))
         if plan.scheduled:
-            dur = self.cfg.step_cost.time(plan.load)
-            yield At(env, dur, LATE)
+            dur = cost.time(plan.load)
+            yield At(env, max(0.0, dur - pre) if pre else dur, LATE)
         self.deferred_stores.extend(x for x in new_stores if x.job_id not in plan.flush)
         out = sched.update_from_output(env.now, plan, self._poll())
         self._count_finished(len(out.finished))

@@ -261,9 +261,12 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "steps": {
         "step": ("count", "index of the first engine step of the row"),
-        "n_steps": ("count", "steps in the row: 1, or more for a fast-forwarded run of pure decode steps"),
+        "n_steps": ("count", "forward passes in the row: 1, more for a fast-forwarded run of pure decode "
+                             "steps, 0 for a step without one (it only admitted loads, stored or polled "
+                             "transfers)"),
         "start_s": ("s", "start of the (first) step"),
-        "duration_s": ("s", "duration of all n_steps steps"),
+        "duration_s": ("s", "duration of the row's steps (a 0-step row that admitted loads: the "
+                            "scheduler's time)"),
         "prefill_tokens": ("tokens", "prompt tokens computed in the step"),
         "decode_seqs": ("requests", "requests decoding one token, per step"),
         "context_tokens": ("tokens", "attended context, in full-attention token equivalents"),

@@ -12,9 +12,11 @@ What it models
     2. the worker connector's ``handle_preemptions``: it submits its deferred
        stores and the flushed ones, then waits for the flushed (the step waits
        for those transfers on kvsim's d2h link);
-    3. ``start_load_kv``: the deferred stores and this step's loads are
-       submitted (0.33's synchronous loads are waited for, as vLLM does);
-    4. the forward pass: kvsim's step time for the scheduled tokens;
+    3. ``start_load_kv``: the deferred stores are submitted, then, after the
+       scheduler's per-block time (kvsim's step model, ``before_loads_s``, as
+       kvsim's engine does), this step's loads (0.33's synchronous loads are
+       waited for, as vLLM does);
+    4. the forward pass: the rest of kvsim's step time for the scheduled tokens;
     5. ``wait_for_save`` (this step's stores deferred to the next step, by
        vLLM's code), ``get_finished`` with the transfers completed by now, and
        ``update_from_output`` with one sampled token per request whose prefill
@@ -35,7 +37,7 @@ Simplifications
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 import simpy
@@ -43,6 +45,7 @@ import simpy
 from sim.engine.links import LATE, At, Link, Proc, Transfer
 from sim.engine.loop import Engine, EngineConfig, InvariantViolation, SimulationResult, StopReason
 from sim.engine.metrics import OccupancyRow, Recorder, RunSummary, StepRow, TransferRow
+from sim.model.costs import before_loads_s
 from sim.model.real_vllm import RealJob, RealVllmScheduler
 from sim.model.request import Request, RequestStatus
 from sim.model.scheduler import SchedulerHooks, SchedulerStats
@@ -127,11 +130,22 @@ class VllmEngine(Engine):
         yield from self._wait_for(waited)
         jobs, waited = real.start_transfers(step)
         submitted += len(jobs)
-        self._submit(jobs, waited)
+        loads = [j for j in jobs if j.direction == "h2d"]
+        # kvsim's engine: the scheduler's per-block time before the step's loads are submitted
+        cost = self.cfg.step_cost
+        if loads:
+            step.load = replace(step.load, loaded_blocks=sum(j.blocks for j in loads))
+        pre = before_loads_s(cost, step.load, bool(step.scheduled))
+        if pre:
+            self._submit([j for j in jobs if j.direction != "h2d"], waited)
+            yield At(env, pre, LATE)
+            self._submit(loads, waited)
+        else:
+            self._submit(jobs, waited)
         yield from self._wait_for(waited)
         if step.scheduled:
-            dur = self.cfg.step_cost.time(step.load)
-            yield At(env, dur, LATE)
+            dur = cost.time(step.load)
+            yield At(env, max(0.0, dur - pre) if pre else dur, LATE)
         completed = self._poll_ids()
         finished = real.update_from_output(env.now, step, completed)
         if finished is None:

@@ -34,7 +34,9 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           at most one of gpu_kv_bytes / gpu_blocks; overrides of
                           gpu_memory_utilization, h2d_/d2h_bandwidth, h2d_/d2h_latency_s,
                           h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
-                          host_step_s, host_per_request_s, mfu, mbu (the roofline's
+                          host_step_s, host_per_request_s, host_per_hashed_block_s,
+                          host_per_block_s, host_per_loaded_block_s,
+                          host_no_forward_step_s, mfu, mbu (the roofline's
                           efficiencies, default 0.5 and 0.8)
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
@@ -490,6 +492,15 @@ class HardwareFile(Strict):
     host_per_hashed_block_s: float | None = Field(
         default=None, ge=0, le=1, description="engine host time per prefix-cache hash block of a new "
         "request's prompt, before the scheduler sees it (default: the GPU's)")
+    host_per_block_s: float | None = Field(
+        default=None, ge=0, le=1, description="scheduler time per KV block allocated for prompt tokens "
+        "computed or loaded in a step (default: the GPU's)")
+    host_per_loaded_block_s: float | None = Field(
+        default=None, ge=0, le=1, description="further engine host time per loaded block, for its "
+        "load's completion (default: the GPU's)")
+    host_no_forward_step_s: float | None = Field(
+        default=None, ge=0, le=1, description="scheduler time of a step that runs no forward pass but "
+        "issues loads (default: the GPU's)")
     mfu: float | None = Field(
         default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's matmuls reach, "
         "for every step (default: the GPU's measured curve by tokens per step, else 0.5; kvsim calibrate "
@@ -519,6 +530,9 @@ class HardwareSection(Strict):
     host_step_s: float | None = Field(default=None, ge=0, le=1)
     host_per_request_s: float | None = Field(default=None, ge=0, le=1)
     host_per_hashed_block_s: float | None = Field(default=None, ge=0, le=1)
+    host_per_block_s: float | None = Field(default=None, ge=0, le=1)
+    host_per_loaded_block_s: float | None = Field(default=None, ge=0, le=1)
+    host_no_forward_step_s: float | None = Field(default=None, ge=0, le=1)
     mfu: float | None = Field(default=None, gt=0, le=1)
     mbu: float | None = Field(default=None, gt=0, le=1)
 
@@ -1154,6 +1168,9 @@ class ResolvedHardware:
     host_step_s: float = 0.0
     host_per_request_s: float = 0.0
     host_per_hashed_block_s: float = 0.0
+    host_per_block_s: float = 0.0
+    host_per_loaded_block_s: float = 0.0
+    host_no_forward_step_s: float = 0.0
     mfu: float | None = None  #: a constant matmul efficiency; None: the GPU's curve (else DEFAULT_MFU)
     mbu: float = DEFAULT_MBU
 
@@ -1373,6 +1390,11 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)),
         host_per_hashed_block_s=pick(sec.host_per_hashed_block_s,
                                      pick(hw.host_per_hashed_block_s, g.host.per_hashed_block_s)),
+        host_per_block_s=pick(sec.host_per_block_s, pick(hw.host_per_block_s, g.host.per_block_s)),
+        host_per_loaded_block_s=pick(sec.host_per_loaded_block_s,
+                                     pick(hw.host_per_loaded_block_s, g.host.per_loaded_block_s)),
+        host_no_forward_step_s=pick(sec.host_no_forward_step_s,
+                                    pick(hw.host_no_forward_step_s, g.host.no_forward_step_s)),
         mfu=pick(sec.mfu, hw.mfu), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
 
 
@@ -1583,7 +1605,8 @@ class RunSpec:
             hardware["gpu_kv_bytes"] = self.gpu_kv_bytes
         for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
-                    "d2h_duplex_factor", "host_step_s", "host_per_request_s", "host_per_hashed_block_s"):
+                    "d2h_duplex_factor", "host_step_s", "host_per_request_s", "host_per_hashed_block_s",
+                    "host_per_block_s", "host_per_loaded_block_s", "host_no_forward_step_s"):
             hardware[key] = getattr(hw, key)
         if hw.mfu is not None:   # the defaults left out: earlier resolved scenarios unchanged
             hardware["mfu"] = hw.mfu
@@ -1674,7 +1697,8 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
                          "has none and no cost_profile",
                          '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
                          'context_token_s}, model.shape, or model.cost_profile')
-    host = HostOverhead(hw.host_step_s, hw.host_per_request_s, hw.host_per_hashed_block_s)
+    host = HostOverhead(hw.host_step_s, hw.host_per_request_s, hw.host_per_hashed_block_s,
+                        hw.host_per_block_s, hw.host_per_loaded_block_s, hw.host_no_forward_step_s)
     return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
                                tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu, host=host)

@@ -12,8 +12,9 @@ What it models
       model's shapes (:class:`ModelShape`, the ``[shape]`` table of a
       ``model/1`` file) and the GPU's datasheet (:data:`GPU_PROFILES`)::
 
-          step = host_step_s + host_per_request_s x requests
+          step = host_step_s + host_per_request_s x requests + scheduler_s
                + max(compute_s, memory_s)
+          scheduler_s = host_per_block_s x blocks + host_per_loaded_block_s x loaded blocks
           compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu(T))
                     + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
           memory_s  = (weight_bytes - expert_bytes x (1 - k/E)^tokens + kv_read_bytes)
@@ -71,7 +72,16 @@ Simplifications
       :data:`DEFAULT_ATTENTION_EFFICIENCY`, and ``mbu``).
     * The host overhead (scheduling, input preparation, sampling, output
       processing) is serial with the forward pass (vLLM's default synchronous
-      scheduling) and linear in the scheduled requests.
+      scheduling) and linear in the scheduled requests and in the KV blocks
+      the scheduler allocates for prompt tokens (computed in the step or
+      loaded by it; decode steps' blocks are inside the per-request term,
+      fitted on all-decode steps). The scheduler's per-block part
+      (:meth:`RooflineStepModel.scheduler_s`) runs before the step's loads are
+      submitted; a step that only admits loads (no forward pass) costs that
+      part plus ``host_no_forward_step_s`` (:meth:`RooflineStepModel.no_forward_s`).
+      A loaded block's second charge (``host_per_loaded_block_s``, vLLM's work
+      when the load completes) is taken with the load's admission, not after it:
+      the same total on a request's critical path.
     * KV writes of new tokens, activations and the all-reduce of tensor
       parallelism are free; attention reads each request's attended KV once
       per step; a prefill's attention FLOPs are counted exactly per causal
@@ -105,7 +115,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Literal, Protocol
 
-from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 
 __all__ = [
     "DEFAULT_ATTENTION_EFFICIENCY",
@@ -128,6 +138,7 @@ __all__ = [
     "TransferPiece",
     "attended_tokens",
     "attention_pairs",
+    "before_loads_s",
     "chunked_prefill_time",
     "group_span",
     "kv_bytes_per_token",
@@ -255,6 +266,10 @@ class StepLoad:
         kv_read_bytes: KV bytes the step's attention reads, on one worker.
         pairs: per KV cache group, the query-key pairs of the step
             (:func:`attention_pairs`; mamba groups: state updates).
+        blocks: KV blocks, over all groups, that the step's prompt tokens (prefill
+            chunks, not decode tokens) begin: the blocks the scheduler allocates
+            for them.
+        loaded_blocks: GPU blocks, over all groups, of the load jobs the step issues.
     """
 
     prefill_tokens: int = 0
@@ -263,12 +278,21 @@ class StepLoad:
     requests: int = 0
     kv_read_bytes: int = 0
     pairs: tuple[int, ...] = ()
+    blocks: int = 0
+    loaded_blocks: int = 0
 
 
 class StepTimeModel(Protocol):
-    """What the engine asks of a step model."""
+    """What the engine asks of a step model: a step's time with a forward pass
+    (:meth:`time`), the part of it the scheduler spends before the step's loads
+    are submitted (:meth:`scheduler_s`, included in :meth:`time`), and the time of
+    a step that runs no forward pass but issues loads (:meth:`no_forward_s`)."""
 
     def time(self, load: StepLoad) -> float: ...  # pragma: no cover - a protocol
+
+    def scheduler_s(self, load: StepLoad) -> float: ...  # pragma: no cover - a protocol
+
+    def no_forward_s(self, load: StepLoad) -> float: ...  # pragma: no cover - a protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +344,24 @@ class StepCostModel:
         """:meth:`step_time` of the load's prefill tokens, decode sequences and context."""
         return self.step_time(load.prefill_tokens, load.decode_seqs, load.context_tokens)
 
+    def scheduler_s(self, load: StepLoad) -> float:
+        """The linear model has no scheduler term: 0."""
+        return 0.0
+
+    def no_forward_s(self, load: StepLoad) -> float:
+        """A step without a forward pass costs nothing in the linear model."""
+        return 0.0
+
+
+def before_loads_s(model: StepTimeModel, load: StepLoad, forward: bool) -> float:
+    """Seconds a step spends before its loads are submitted (both engines ask this):
+    the scheduler's per-block time of a step with a forward pass (part of its
+    :meth:`~StepTimeModel.time`), the whole time of a step without one that issues
+    loads (:meth:`~StepTimeModel.no_forward_s`), else 0."""
+    if forward:
+        return model.scheduler_s(load)
+    return model.no_forward_s(load) if load.loaded_blocks else 0.0
+
 
 #: The all-zero step model: every step takes no time.
 ZERO_STEP = StepCostModel()
@@ -338,14 +380,25 @@ class HostOverhead:
             its input thread, before the scheduler sees it (not part of
             :meth:`RooflineStepModel.time`: the engine delays each arrival by it,
             one request after another, ``EngineConfig.prompt_hash_s_per_block``).
+        per_block_s: the scheduler's time per KV block it allocates for prompt tokens
+            computed or loaded in the step (:attr:`StepLoad.blocks` and
+            :attr:`StepLoad.loaded_blocks`), before the step's loads are submitted.
+        per_loaded_block_s: vLLM's further work per loaded block once its load completes
+            (charged with the load's admission: the same total on the request's path).
+        no_forward_step_s: the scheduler's fixed time in a step that runs no forward
+            pass but issues loads (a step with a forward pass has it in ``step_s``).
     """
 
     step_s: float = 0.0
     per_request_s: float = 0.0
     per_hashed_block_s: float = 0.0
+    per_block_s: float = 0.0
+    per_loaded_block_s: float = 0.0
+    no_forward_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_s", "per_request_s", "per_hashed_block_s"):
+        for name in ("step_s", "per_request_s", "per_hashed_block_s", "per_block_s", "per_loaded_block_s",
+                     "no_forward_step_s"):
             object.__setattr__(self, name, _finite_non_negative("HostOverhead", name, getattr(self, name)))
 
 
@@ -458,10 +511,21 @@ class RooflineStepModel:
         """The step's bytes (:meth:`step_bytes`) over the effective bandwidth."""
         return self.step_bytes(load) / self.bytes_per_s
 
+    def scheduler_s(self, load: StepLoad) -> float:
+        """The scheduler's per-block time in the step (before its loads are submitted)."""
+        h = self.host
+        return h.per_block_s * load.blocks + (h.per_block_s + h.per_loaded_block_s) * load.loaded_blocks
+
     def time(self, load: StepLoad) -> float:
-        """Seconds the step takes: host overhead plus the larger of compute and memory time."""
-        host = self.host.step_s + self.host.per_request_s * load.requests
+        """Seconds the step takes: host overhead (per step, per request and the
+        scheduler's per-block time) plus the larger of compute and memory time."""
+        host = self.host.step_s + self.host.per_request_s * load.requests + self.scheduler_s(load)
         return host + max(self.compute_s(load), self.memory_s(load))
+
+    def no_forward_s(self, load: StepLoad) -> float:
+        """Seconds of a step that runs no forward pass but issues loads: the scheduler's
+        fixed time of such a step and its per-block time."""
+        return self.host.no_forward_step_s + self.scheduler_s(load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,6 +684,12 @@ HOST_PER_REQUEST_S = 15e-6
 #: vLLM's engine core hashing a new request's prompt, per hash block (sha256, its default):
 #: measured with vLLM 0.30.0 and 0.33.0 (benchmarks/vllm_block_hash_cost.py, docs/costs.md)
 HOST_PER_HASHED_BLOCK_S = 1.5e-6
+#: vLLM 0.30.0's scheduler around prompt blocks (benchmarks/vllm_load_overhead.py, docs/costs.md):
+#: schedule() per block allocated for a prompt (prefill chunks and loads alike), update_from_output()
+#: per block once its load completes, and the fixed time of a schedule() that only admits loads
+HOST_PER_BLOCK_S = 1.55e-6
+HOST_PER_LOADED_BLOCK_S = 0.8e-6
+HOST_NO_FORWARD_STEP_S = 0.22e-3
 
 _PCIE_SOURCES = (
     "https://www.nvidia.com/en-us/data-center/h100/: PCIe Gen5 128 GB/s (both directions, i.e. 64 GB/s each)",
@@ -642,6 +712,10 @@ _HOST_SOURCES = (
     "12.7 us per running request at the cap",
     "benchmarks/vllm_block_hash_cost.py: vLLM 0.30.0 and 0.33.0 building a Request with the sha256 "
     "block hasher, 1.38-1.54 us per 8- or 16-token block for 1k-128k-token prompts (a 2-CPU VM)",
+    "benchmarks/vllm_load_overhead.py: vLLM 0.30.0's Scheduler and OffloadingConnector on CPU, "
+    "Llama-3.1-8B 16-token blocks, 64-6,400 blocks: schedule() 1.55 us per prompt block (admitting a "
+    "load or a cold prefill chunk) plus 0.22 ms when it only admits a load, update_from_output() "
+    "0.8 us per loaded block (a 2-CPU VM; 0.33.0 about 1.8x these)",
 )
 
 
@@ -651,6 +725,11 @@ _MATMUL_SOURCE = (
     "H100; matmul FLOPs over the time of every operator outside attention: 0.49 / 0.59 / 0.63 / 0.63 "
     "of 989 TFLOPS around 516 / 1,032 / 1,928 / 4,016 tokens (benchmarks/matmul_efficiency.py)"
 )
+
+
+#: the engine's host time on every GPU profile (the same host CPU assumed)
+_HOST = HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S, HOST_PER_BLOCK_S,
+                     HOST_PER_LOADED_BLOCK_S, HOST_NO_FORWARD_STEP_S)
 
 
 def _pcie5_x16(duplex: float) -> TransferModel:
@@ -666,7 +745,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=989e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
+        host=_HOST,
         matmul_efficiency=HOPPER_MATMUL_EFFICIENCY,
         sources=(
             f"{_H100_DATASHEET}: H100 SXM 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
@@ -685,7 +764,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=989e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
+        host=_HOST,
         matmul_efficiency=HOPPER_MATMUL_EFFICIENCY,
         sources=(
             f"{_H200_PAGE}: H200 SXM 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense)",
@@ -704,7 +783,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         dense_bf16_flops=148e12,
         h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
         d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
-        host=HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S),
+        host=_HOST,
         sources=(
             "https://willitrunai.com/es/gpus/h20-96gb: H20 96 GB HBM3, 4.0 TB/s, 148 TFLOPS FP16 (dense; "
             "NVIDIA publishes no datasheet for this export part, so third-party figures)",
@@ -999,7 +1078,9 @@ def chunked_prefill_time(model: StepTimeModel, layout: Layout, prompt_tokens: in
         c = min(max_num_batched_tokens, prompt_tokens - p)
         kv = sum(attended_tokens(k, s, p + c) * b for k, s, b in terms)
         load = StepLoad(prefill_tokens=c, requests=1, kv_read_bytes=kv, context_tokens=kv / total_bpt,
-                        pairs=tuple(attention_pairs(k, s, p, c) for k, s, _ in terms))
+                        pairs=tuple(attention_pairs(k, s, p, c) for k, s, _ in terms),
+                        blocks=sum(cdiv(p + c, g.tokens_per_block) - cdiv(p, g.tokens_per_block)
+                                   for g in layout.groups))
         t += model.time(load)
         p += c
     return t

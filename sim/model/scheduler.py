@@ -461,6 +461,13 @@ class AttendedContext:
             distinct[kind, span] = (total + bpt, [*groups, g])
         self._distinct = [(kind, span, bpt, tuple(groups))
                           for (kind, span), (bpt, groups) in distinct.items()]
+        #: per group, tokens per GPU block
+        self.block_tokens = tuple(g.tokens_per_block for g in layout.groups)
+        #: the distinct block sizes and how many groups have each
+        sizes: dict[int, int] = {}
+        for b in self.block_tokens:
+            sizes[b] = sizes.get(b, 0) + 1
+        self._block_sizes = tuple(sizes.items())
 
     def attended(self, c: int) -> int:
         """KV bytes one request reads with ``c`` tokens of context."""
@@ -469,12 +476,17 @@ class AttendedContext:
             total += attended_tokens(kind, p, c) * bpt
         return total
 
-    def load(self, work: Sequence[tuple[int, int, bool]]) -> StepLoad:
+    def load(self, work: Sequence[tuple[int, int, bool]], loaded_blocks: int = 0) -> StepLoad:
         """The step load of ``(tokens computed before, new tokens, decodes)`` per scheduled
-        request: :meth:`load_reference`'s exact integers, one pass over the batch per
-        distinct (kind, span) of the layout (equal groups share their sums)."""
+        request and the blocks of the step's loads: :meth:`load_reference`'s exact integers,
+        one pass over the batch per distinct (kind, span) of the layout (equal groups share
+        their sums)."""
         decode = sum(1 for _, _, d in work if d)
         prefill = sum(c for _, c, d in work if not d)
+        blocks = 0
+        if prefill:
+            for b, n in self._block_sizes:   # the blocks the prompt tokens begin (cdiv inline)
+                blocks += n * sum((p + c + b - 1) // b - (p + b - 1) // b for p, c, d in work if not d)
         attended = 0
         pairs = [0] * len(self.terms)
         for kind, span, bpt, groups in self._distinct:
@@ -494,11 +506,12 @@ class AttendedContext:
             attended += a * bpt
             for g in groups:
                 pairs[g] = q
-        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs))
+        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs),
+                        blocks, loaded_blocks)
 
-    def load_reference(self, work: Sequence[tuple[int, int, bool]]) -> StepLoad:
+    def load_reference(self, work: Sequence[tuple[int, int, bool]], loaded_blocks: int = 0) -> StepLoad:
         """:meth:`load`, one request and one group at a time (the reference)."""
-        prefill = decode = attended = 0
+        prefill = decode = attended = blocks = 0
         terms = self.terms
         pairs = [0] * len(terms)
         for p, c, is_decode in work:
@@ -506,10 +519,13 @@ class AttendedContext:
                 decode += 1
             else:
                 prefill += c
+                for b in self.block_tokens:
+                    blocks += cdiv(p + c, b) - cdiv(p, b)
             for g, (kind, span, bpt) in enumerate(terms):
                 attended += attended_tokens(kind, span, p + c) * bpt
                 pairs[g] += attention_pairs(kind, span, p, c)
-        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs))
+        return StepLoad(prefill, decode, attended / self.bytes_per_token, len(work), attended, tuple(pairs),
+                        blocks, loaded_blocks)
 
     def attended_runs(self, running: Sequence[LiveRequest], k: int) -> list[int]:
         """:meth:`attended` summed over ``running`` for decode steps 0..k-1
@@ -734,7 +750,8 @@ class Scheduler:
                 if r.num_computed + num_new >= r.num_tokens:
                     inflight.pop(r.req_id, None)
         load = self.context.load([(r.num_computed, num_new, r.num_computed >= r.num_prompt_tokens
-                                   and r.num_computed == r.num_tokens - 1) for r, num_new, _ in sched])
+                                   and r.num_computed == r.num_tokens - 1) for r, num_new, _ in sched],
+                                 sum(j.blocks for j in load_jobs))
         return StepPlan(tuple(sched), tuple(admitted), tuple(preempted), load_jobs, store_jobs,
                         frozenset(flush), released, self._broke_deadlock, load)
 

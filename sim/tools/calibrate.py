@@ -461,12 +461,19 @@ class _Recording:
         self.times.append(t)
         return t
 
+    def scheduler_s(self, load: StepLoad) -> float:
+        return self.inner.scheduler_s(load)
+
+    def no_forward_s(self, load: StepLoad) -> float:
+        return self.inner.no_forward_s(load)
+
 
 @dataclass(frozen=True)
 class Replay:
     """One replay: per request (in the replayed order) arrival, when the scheduler saw it
     (after the engine core hashed its prompt), first token and finish; per computed step
-    its end, time, scheduled requests, FLOPs and bytes."""
+    its end, time, scheduled requests, FLOPs, bytes and the scheduler's per-block time
+    (held, not fitted)."""
 
     arrival: np.ndarray
     seen: np.ndarray
@@ -477,6 +484,7 @@ class Replay:
     n: np.ndarray
     flops: np.ndarray
     nbytes: np.ndarray
+    sched: np.ndarray
 
 
 def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Request]) -> Replay:
@@ -507,7 +515,7 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     return Replay(col("arrival_s"), np.array(seen, dtype=float), col("first_token_s"), col("finish_s"),
                   np.array(ends, dtype=float),
                   np.array(rec_model.times, dtype=float), np.array([x.requests for x in loads], dtype=float),
-                  flops, nbytes)
+                  flops, nbytes, np.array([model.scheduler_s(x) for x in loads], dtype=float))
 
 
 def _window_rows(rp: Replay, phi: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -583,7 +591,9 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
         GPU_PROFILES[spec.hardware.gpu], cost_shape, spec.layout.groups,
         param_groups=[group_spec(g, 1) for g in spec.model.cost_groups],
         tensor_parallel=spec.scenario.costs.tensor_parallel, mfu=min(1.0, v["mfu"]), mbu=min(1.0, v["mbu"]),
-        host=HostOverhead(v["host_step_s"], v["host_per_request_s"], spec.hardware.host_per_hashed_block_s))
+        host=HostOverhead(v["host_step_s"], v["host_per_request_s"], spec.hardware.host_per_hashed_block_s,
+                          spec.hardware.host_per_block_s, spec.hardware.host_per_loaded_block_s,
+                          spec.hardware.host_no_forward_step_s))
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:
@@ -660,8 +670,9 @@ def _least_squares(rp: Replay, x: np.ndarray, free: np.ndarray, lower: np.ndarra
     right-hand side)."""
     w = _windows(rp, run, index)
     gap = (w.hi - w.lo) - _window_rows(rp, rp.time[:, None], w.lo, w.hi)[:, 0]
+    held_sched = _window_rows(rp, rp.sched[:, None], w.lo, w.hi)[:, 0]
     scale = w.weight / w.measured
-    y = (w.measured - w.fixed - gap) * scale
+    y = (w.measured - w.fixed - gap - held_sched) * scale
     roof = x
     cand, a_mat = x, np.zeros((len(y), len(x)))
     for _ in range(20):
@@ -927,7 +938,8 @@ def hardware_profile(spec: RunSpec, fit: RunFit, name: str, results: str, comman
             bw = round(lf.bandwidth_bytes_per_s)
         lines.append(f"{d}_bandwidth = {int(bw)}")
     for key in ("h2d_latency_s", "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s",
-                "h2d_duplex_factor", "d2h_duplex_factor"):
+                "h2d_duplex_factor", "d2h_duplex_factor", "host_per_hashed_block_s", "host_per_block_s",
+                "host_per_loaded_block_s", "host_no_forward_step_s"):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     for k in FIT_KEYS:
         se = s.stderr.get(k)

@@ -52,6 +52,28 @@ def test_timeline_store_then_cpu_hit() -> None:
     assert s["status"] == "ok"
 
 
+def test_a_loads_admission_costs_the_schedulers_block_time_before_the_load() -> None:
+    """vLLM's scheduler works per block: a prefill step's time grows with the blocks its
+    prompt tokens begin; the step that admits b's CPU hit runs no forward pass but costs
+    the scheduler's fixed no-forward time and its time per loaded block, and the load is
+    submitted only after it (docs/costs.md, benchmarks/vllm_load_overhead.py)."""
+    host = HostOverhead(0.01, 0.0, 0.0, per_block_s=0.001, per_loaded_block_s=0.0005, no_forward_step_s=0.2)
+    fast = RooflineStepModel(1.0, 1.0, (1.0,), 1.0, 1e15, 1e15, host)     # forward passes of nanoseconds
+    cfg = EngineConfig(layout=FA16, gpu_blocks=100, prefix_caching=False, cpu_capacity_chunks=10,
+                       step_cost=fast, h2d=HALF_S_LINK, d2h=HALF_S_LINK)
+    f, _ = run(cfg, [req("a", 0, 32, 3, prefix=1), req("b", 10, 32, 2, prefix=1)])
+    t = {(r, what): when for r, what, when in timeline(f)}
+    assert t["a", "first_token"] == pytest.approx(0.01 + 2 * 0.001, abs=1e-8)    # 2 blocks of 16 tokens
+    assert t["b", "scheduled"] == 10.0
+    assert t["b", "h2d_submit"] == pytest.approx(10.0 + 0.2 + 2 * (0.001 + 0.0005), abs=1e-9)
+    assert t["b", "h2d_end"] - t["b", "h2d_submit"] == pytest.approx(0.5)
+    # the last token's step begins no block: the step's host time alone
+    assert t["b", "first_token"] - t["b", "h2d_end"] == pytest.approx(0.01, abs=1e-8)
+    steps = f["steps"]
+    admit = steps[(steps.start_s == 10.0)].iloc[0]
+    assert (admit.n_steps, admit.loads) == (0, 1) and admit.duration_s == pytest.approx(0.203)
+
+
 def test_timeline_full_gpu_hit_still_loads_the_last_chunk() -> None:
     """With GPU prefix caching the local hit stops one token short of the prompt,
     rounded down to a block (16 of 32); the connector (full attention only: no
@@ -122,7 +144,8 @@ FF_CASES = {
     # (and prompts hashed before the scheduler sees them: arrivals delayed, queued in bursts)
     "hybrid-roofline": EngineConfig(layout=HYBRID, gpu_blocks=1500, cpu_capacity_chunks=200,
                                     step_cost=RooflineStepModel(2e9, 5e8, (3e4, 3e4), 4e9, 1e14, 2e12,
-                                                                HostOverhead(1e-3, 2e-5)),
+                                                                HostOverhead(1e-3, 2e-5, 0.0, 2e-6, 1e-6,
+                                                                             3e-4)),
                                     prompt_hash_s_per_block=3e-5,
                                     h2d=TransferModel(2e9, 1e-4, 3e-6, 0.47),
                                     d2h=TransferModel(2e9, 1e-4, 3e-6, 0.95)),

@@ -22,9 +22,11 @@ from sim.model.costs import (
     ZERO_TRANSFER,
     GpuProfile,
     HostOverhead,
+    RooflineStepModel,
     StepCostModel,
     StepLoad,
     TransferModel,
+    before_loads_s,
     kv_bytes_per_token,
 )
 
@@ -183,7 +185,7 @@ def test_gpu_profiles_datasheet_figures() -> None:
         # the most with equal amounts each way: both directions keep the same share, below 2x in all
         assert (g.h2d.duplex_factor, g.d2h.duplex_factor) == (0.834, 0.834)
         assert g.h2d.duplex_factor + g.d2h.duplex_factor < 2.0
-        assert g.host == HostOverhead(1.4e-3, 15e-6, 1.5e-6)
+        assert g.host == HostOverhead(1.4e-3, 15e-6, 1.5e-6, 1.55e-6, 0.8e-6, 0.22e-3)
         assert g.sources and all(s for s in g.sources)
         assert any("nvidia.com" in s for s in g.sources)
 
@@ -206,6 +208,31 @@ def test_profile_validation() -> None:
         HostOverhead(0.0, -1.0)
     with pytest.raises(ValueError, match="per_hashed_block_s"):
         HostOverhead(0.0, 0.0, math.nan)
+    with pytest.raises(ValueError, match="per_block_s"):
+        HostOverhead(per_block_s=-1e-6)
+    with pytest.raises(ValueError, match="no_forward_step_s"):
+        HostOverhead(no_forward_step_s=math.inf)
+
+
+def test_the_schedulers_block_time() -> None:
+    """The roofline's host time grows with the prompt blocks a step allocates and the
+    blocks it loads; a step without a forward pass that issues loads costs the fixed
+    no-forward time and the same per-block time; the linear model has neither."""
+    host = HostOverhead(1e-3, 1e-5, 0.0, 2e-6, 1e-6, 3e-4)
+    m = RooflineStepModel(2e9, 5e8, (3e4,), 4e9, 1e14, 2e12, host)
+    base = StepLoad(prefill_tokens=512, requests=1, pairs=(9,))
+    with_blocks = StepLoad(prefill_tokens=512, requests=1, pairs=(9,), blocks=32, loaded_blocks=100)
+    assert m.scheduler_s(base) == 0.0
+    assert m.scheduler_s(with_blocks) == pytest.approx(32 * 2e-6 + 100 * 3e-6)
+    assert m.time(with_blocks) - m.time(base) == pytest.approx(m.scheduler_s(with_blocks))
+    assert m.no_forward_s(StepLoad(loaded_blocks=100)) == pytest.approx(3e-4 + 100 * 3e-6)
+    assert before_loads_s(m, with_blocks, forward=True) == m.scheduler_s(with_blocks)
+    loads_only = StepLoad(loaded_blocks=100)
+    assert before_loads_s(m, loads_only, forward=False) == m.no_forward_s(loads_only)
+    assert before_loads_s(m, StepLoad(), forward=False) == 0.0     # nothing scheduled, nothing loaded
+    lin = StepCostModel(0.004, 2e-5, 1e-4, 1e-8)
+    assert lin.scheduler_s(with_blocks) == lin.no_forward_s(with_blocks) == 0.0
+    assert lin.time(with_blocks) == lin.time(base)
 
 
 def test_linear_model_time_is_step_time() -> None:

@@ -508,3 +508,4 @@ def test_attended_context_load_equals_the_reference(window: int, chunk: int, dat
                               max_size=60))
     ctx = AttendedContext(layout)
     assert ctx.load(work) == ctx.load_reference(work)
+    assert ctx.load(work, 7) == ctx.load_reference(work, 7)

@@ -283,11 +283,15 @@ def test_mamba_groups_agree_in_the_modelled_cache_modes(vllm_python: tuple[str, 
 
 @pytest.mark.slow
 def test_the_default_study_agrees_with_every_release(vllm_python: tuple[str, Path], tmp_path: Path) -> None:
-    """Lockstep on the default study (``scenarios/default.toml``, unchanged): 0 divergences in
-    every release. With the measured matmul curve its engine resumes a preempted request with
-    a GPU hit and an asynchronous load right after another load was admitted (t = 66.35 s),
-    where vLLM holds the first back for the second's prefill (docs/vllm.md, finding 14)."""
+    """Lockstep on the default study (``scenarios/default.toml``, unchanged but for its seed):
+    0 divergences in every release, with preemptions and reloads from the CPU after them
+    under every release's logic. Seed 4: since the scheduler's per-block time (2026-12-06)
+    the file's seed 0 has no CPU reload under 0.33's logic (it agreed with every release
+    then too). With seed 0 and the model of 2026-12-05 this run found finding 14 (a
+    preempted request resumed with a GPU hit and an asynchronous load right after another
+    load was admitted, where vLLM holds the first back for the second's prefill,
+    docs/vllm.md)."""
     _version, python = vllm_python
-    _, summary, _ = _lockstep(python, ROOT / "scenarios" / "default.toml", tmp_path)
+    _, summary, _ = _lockstep(python, ROOT / "scenarios" / "default.toml", tmp_path, "seed=4")
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     assert summary["engine"]["preemptions"] >= 1 and summary["tokens"]["cpu_reload"] > 0
