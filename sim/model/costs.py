@@ -14,7 +14,8 @@ What it models
 
           step = host_step_s + host_per_request_s x requests + scheduler_s
                + max(compute_s, memory_s)
-          scheduler_s = host_per_block_s x blocks + host_per_loaded_block_s x loaded blocks
+          scheduler_s = host_per_block_s x (blocks + loaded blocks)
+                      + host_per_loaded_block_s x loaded blocks
           compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu(T))
                     + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
           memory_s  = (weight_bytes - expert_bytes x (1 - k/E)^tokens + kv_read_bytes)
