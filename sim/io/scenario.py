@@ -1146,6 +1146,11 @@ class ResolvedModel:
     cost_groups: tuple[ModelGroup, ...] = ()
 
 
+
+#: ``[hardware]`` / ``hardware/1`` keys of the engine's host time: ``host_`` + each
+#: :class:`~sim.model.costs.HostOverhead` field
+HOST_KEYS: tuple[str, ...] = tuple(f"host_{f.name}" for f in dataclasses.fields(HostOverhead))
+
 @dataclass(frozen=True)
 class ResolvedHardware:
     """The hardware a run uses, after ``[hardware]`` overrides."""
@@ -1173,6 +1178,10 @@ class ResolvedHardware:
     host_no_forward_step_s: float = 0.0
     mfu: float | None = None  #: a constant matmul efficiency; None: the GPU's curve (else DEFAULT_MFU)
     mbu: float = DEFAULT_MBU
+
+    def host(self) -> HostOverhead:
+        """The engine's host time these figures give (:data:`HOST_KEYS`)."""
+        return HostOverhead(**{k.removeprefix("host_"): getattr(self, k) for k in HOST_KEYS})
 
 
 def _available(folder: str) -> str:
@@ -1386,15 +1395,8 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
                                   pick(hw.d2h_piece_overhead_s, g.d2h.piece_overhead_s)),
         h2d_duplex_factor=pick(sec.h2d_duplex_factor, pick(hw.h2d_duplex_factor, g.h2d.duplex_factor)),
         d2h_duplex_factor=pick(sec.d2h_duplex_factor, pick(hw.d2h_duplex_factor, g.d2h.duplex_factor)),
-        host_step_s=pick(sec.host_step_s, pick(hw.host_step_s, g.host.step_s)),
-        host_per_request_s=pick(sec.host_per_request_s, pick(hw.host_per_request_s, g.host.per_request_s)),
-        host_per_hashed_block_s=pick(sec.host_per_hashed_block_s,
-                                     pick(hw.host_per_hashed_block_s, g.host.per_hashed_block_s)),
-        host_per_block_s=pick(sec.host_per_block_s, pick(hw.host_per_block_s, g.host.per_block_s)),
-        host_per_loaded_block_s=pick(sec.host_per_loaded_block_s,
-                                     pick(hw.host_per_loaded_block_s, g.host.per_loaded_block_s)),
-        host_no_forward_step_s=pick(sec.host_no_forward_step_s,
-                                    pick(hw.host_no_forward_step_s, g.host.no_forward_step_s)),
+        **{k: pick(getattr(sec, k), pick(getattr(hw, k), getattr(g.host, k.removeprefix("host_"))))
+           for k in HOST_KEYS},
         mfu=pick(sec.mfu, hw.mfu), mbu=pick(sec.mbu, pick(hw.mbu, DEFAULT_MBU)))
 
 
@@ -1605,8 +1607,7 @@ class RunSpec:
             hardware["gpu_kv_bytes"] = self.gpu_kv_bytes
         for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
-                    "d2h_duplex_factor", "host_step_s", "host_per_request_s", "host_per_hashed_block_s",
-                    "host_per_block_s", "host_per_loaded_block_s", "host_no_forward_step_s"):
+                    "d2h_duplex_factor", *HOST_KEYS):
             hardware[key] = getattr(hw, key)
         if hw.mfu is not None:   # the defaults left out: earlier resolved scenarios unchanged
             hardware["mfu"] = hw.mfu
@@ -1697,11 +1698,10 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
                          "has none and no cost_profile",
                          '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
                          'context_token_s}, model.shape, or model.cost_profile')
-    host = HostOverhead(hw.host_step_s, hw.host_per_request_s, hw.host_per_hashed_block_s,
-                        hw.host_per_block_s, hw.host_per_loaded_block_s, hw.host_no_forward_step_s)
     return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
-                               tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu, host=host)
+                               tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu,
+                               host=hw.host())
 
 
 def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:

@@ -145,6 +145,7 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_terms",
     "pieces_per_block",
+    "prompt_blocks",
     "roofline_step_model",
 ]
 
@@ -1060,6 +1061,12 @@ def kv_terms(layout: Layout) -> list[tuple[GroupKind, int, int]]:
     return terms
 
 
+def prompt_blocks(tokens_per_block: int, p: int, c: int) -> int:
+    """Blocks of ``tokens_per_block`` tokens that ``c`` prompt tokens after ``p`` begin
+    (the blocks the scheduler allocates for them: :attr:`StepLoad.blocks`, per group)."""
+    return cdiv(p + c, tokens_per_block) - cdiv(p, tokens_per_block)
+
+
 def chunked_prefill_time(model: StepTimeModel, layout: Layout, prompt_tokens: int,
                          max_num_batched_tokens: int) -> float:
     """Seconds of the chunked prefill of one request alone: steps of at most
@@ -1080,8 +1087,7 @@ def chunked_prefill_time(model: StepTimeModel, layout: Layout, prompt_tokens: in
         kv = sum(attended_tokens(k, s, p + c) * b for k, s, b in terms)
         load = StepLoad(prefill_tokens=c, requests=1, kv_read_bytes=kv, context_tokens=kv / total_bpt,
                         pairs=tuple(attention_pairs(k, s, p, c) for k, s, _ in terms),
-                        blocks=sum(cdiv(p + c, g.tokens_per_block) - cdiv(p, g.tokens_per_block)
-                                   for g in layout.groups))
+                        blocks=sum(prompt_blocks(g.tokens_per_block, p, c) for g in layout.groups))
         t += model.time(load)
         p += c
     return t

@@ -115,6 +115,7 @@ from sim.model.costs import (
     attention_pairs,
     kv_terms,
     pieces_per_block,
+    prompt_blocks,
 )
 from sim.model.cpu_cache import ChunkState, CpuChunkCache, EvictionPolicy
 from sim.model.future import FutureUses
@@ -520,7 +521,7 @@ class AttendedContext:
             else:
                 prefill += c
                 for b in self.block_tokens:
-                    blocks += cdiv(p + c, b) - cdiv(p, b)
+                    blocks += prompt_blocks(b, p, c)
             for g, (kind, span, bpt) in enumerate(terms):
                 attended += attended_tokens(kind, span, p + c) * bpt
                 pairs[g] += attention_pairs(kind, span, p, c)

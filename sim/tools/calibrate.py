@@ -99,10 +99,9 @@ import numpy as np
 from sim.engine.loop import EngineConfig, prompt_hashed_at, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
-from sim.io.scenario import RunSpec, group_spec
+from sim.io.scenario import HOST_KEYS, RunSpec, group_spec
 from sim.model.costs import (
     GPU_PROFILES,
-    HostOverhead,
     RooflineStepModel,
     StepLoad,
     TransferModel,
@@ -591,9 +590,8 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
         GPU_PROFILES[spec.hardware.gpu], cost_shape, spec.layout.groups,
         param_groups=[group_spec(g, 1) for g in spec.model.cost_groups],
         tensor_parallel=spec.scenario.costs.tensor_parallel, mfu=min(1.0, v["mfu"]), mbu=min(1.0, v["mbu"]),
-        host=HostOverhead(v["host_step_s"], v["host_per_request_s"], spec.hardware.host_per_hashed_block_s,
-                          spec.hardware.host_per_block_s, spec.hardware.host_per_loaded_block_s,
-                          spec.hardware.host_no_forward_step_s))
+        host=dataclasses.replace(spec.hardware.host(), step_s=v["host_step_s"],
+                                 per_request_s=v["host_per_request_s"]))
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:
@@ -938,8 +936,7 @@ def hardware_profile(spec: RunSpec, fit: RunFit, name: str, results: str, comman
             bw = round(lf.bandwidth_bytes_per_s)
         lines.append(f"{d}_bandwidth = {int(bw)}")
     for key in ("h2d_latency_s", "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s",
-                "h2d_duplex_factor", "d2h_duplex_factor", "host_per_hashed_block_s", "host_per_block_s",
-                "host_per_loaded_block_s", "host_no_forward_step_s"):
+                "h2d_duplex_factor", "d2h_duplex_factor", *(k for k in HOST_KEYS if k not in FIT_KEYS)):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     for k in FIT_KEYS:
         se = s.stderr.get(k)
