@@ -52,7 +52,7 @@ MAX_TOKENS = 24
 SEQS = [[100 * b + i + 1 for i in range(MAX_TOKENS // BS)] for b in range(3)]
 SEQS.append(SEQS[0][:4] + [300 + i for i in range(MAX_TOKENS // BS - 4)])
 #: keys a foreign writer (another group's chunks) stores into the same cache
-FOREIGN = [(900 + i, 1) for i in range(6)]
+FOREIGN = [offload_key(900 + i, 1) for i in range(6)]
 
 
 def seq_keys(seq: int) -> list[OffloadKey]:
