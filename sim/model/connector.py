@@ -982,23 +982,29 @@ class OffloadingScheduler:
         for g, (start, n) in enumerate(ranges):
             ids = st.block_ids[g]
             keys = st.keys[g]
-            fence = out.fenced if self._w[g] is not None else out.deferred
-            count = 0
+            taken = [j for j in range(start, n) if keys[j] in accepted]
+            out.chunks += [(g, j) for j in taken]
+            # the accepted chunks' blocks in order, by slices: one when the chunks are
+            # consecutive (the usual case), else one per chunk; null blocks (a window
+            # group's skipped ones) are left out; ``first``: the index of the first real one
+            if taken and taken[-1] - taken[0] + 1 == len(taken):
+                spans = [(taken[0] * bpc, (taken[-1] + 1) * bpc)]
+            else:
+                spans = [(j * bpc, j * bpc + bpc) for j in taken]
+            gids: list[int] = []
             first: int | None = None
-            for j in range(start, max(start, n)):
-                if keys[j] not in accepted:
-                    continue
-                out.chunks.append((g, j))
-                for i in range(j * bpc, j * bpc + bpc):
-                    bid = ids[i]
-                    if bid == NULL_BLOCK_ID:
-                        continue
+            for lo, hi in spans:
+                seg = ids[lo:hi]
+                if NULL_BLOCK_ID in seg:
                     if first is None:
-                        first = i
-                    out.block_ids.append(bid)
-                    fence.append(bid)
-                    count += 1
-            out.sizes.append(count)
+                        first = next((lo + i for i, bid in enumerate(seg) if bid != NULL_BLOCK_ID), None)
+                    seg = [bid for bid in seg if bid != NULL_BLOCK_ID]
+                elif first is None:
+                    first = lo
+                gids += seg
+            out.block_ids += gids
+            (out.fenced if self._w[g] is not None else out.deferred).extend(gids)
+            out.sizes.append(len(gids))
             out.firsts.append(first or 0)
         return out
 
