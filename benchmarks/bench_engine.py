@@ -21,6 +21,11 @@ tests/tools/test_block_accounting.py), so only speed and memory differ. Cases:
 * ``mooncake-deepseek-v4``: ``scenarios/mooncake-deepseek-v4.toml`` (DeepSeek-V4-
   style layout, TP 2, a 256 GiB CPU cache).
 
+Wall times on a shared or virtual machine vary from run to run (on the
+2-core VM of the issue, 20 % between runs of the same build is common):
+``--repeat N`` runs everything N times in rounds and reports each row's
+median run with the fastest and slowest rates beside it.
+
 After the table, a profile of the fast accounting on the spec §6 case
 (``--profile-limit`` requests, top entries by own time).
 
@@ -28,7 +33,7 @@ The target of the engine issue is >= 6,000 simulated requests per second and
 <= 300 MB peak RSS on a 2-core machine; the script prints the ratio to it.
 
     python benchmarks/bench_engine.py [--limit N] [--case NAME ...] [--accounting fast|reference]
-                                      [--profile-limit N]
+                                      [--profile-limit N] [--repeat N]
 """
 
 from __future__ import annotations
@@ -146,6 +151,10 @@ def main() -> None:
                     help="block accounting(s) to run (default: both, side by side)")
     ap.add_argument("--profile-limit", type=int, default=2000,
                     help="requests of the profiled fast spec §6 run (0: no profile)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every case and accounting, in rounds (each round runs them all in "
+                         "turn, so a slow spell of the machine hits all alike); the table gives the "
+                         "median run and the fastest and slowest (default 1)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -154,26 +163,41 @@ def main() -> None:
         return
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, pid {os.getpid()}")
     print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
-    rows = []
-    for case in args.case or list(CASES):
-        for accounting in args.accounting or ACCOUNTINGS:
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    combos = [(case, accounting) for case in args.case or list(CASES)
+              for accounting in args.accounting or ACCOUNTINGS]
+    runs: dict[tuple[str, str], list[dict]] = {c: [] for c in combos}
+    for _ in range(args.repeat):
+        for case, accounting in combos:
             row, _ = _run_child(case, accounting, args.limit)
-            rows.append(row)
+            runs[(case, accounting)].append(row)
+    for case in dict.fromkeys(case for case, _ in combos):
+        row = next(rs[0] for (c, _), rs in runs.items() if c == case)
         print(f"\n[{case}] config: layout {row['layout']}, gpu_blocks {row['gpu_blocks']}, "
               f"cpu_chunks {row['cpu_chunks']} ({row['policy']}), step {row['step_cost']}, "
               f"h2d {row['h2d']}, d2h {row['d2h']}")
+    # the median run of each (by wall time; the lower one of an even count)
+    rows = [sorted(rs, key=lambda r: r["wall_s"])[(len(rs) - 1) // 2] for rs in runs.values()]
     print(f"\ncompiled modules (mypyc): {', '.join(rows[0]['compiled']) or 'none, the sources run'}"
           " (KVSIM_PURE=1 runs the sources)")
-    print("\n| case | accounting | requests | wall s | sim s | steps (rows) | req/s | x target | "
-          "x reference | peak RSS MB | x budget |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    spread = args.repeat > 1
+    if spread:
+        print(f"\n{args.repeat} runs each, in {args.repeat} rounds: the median run, and req/s of the "
+              "fastest and slowest")
+    print("\n| case | accounting | requests | wall s | sim s | steps (rows) | req/s |"
+          + (" fastest-slowest |" if spread else "")
+          + " x target | x reference | peak RSS MB | x budget |")
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|" if spread else "") + "---:|---:|---:|---:|")
     ref = {r["case"]: r for r in rows if r["accounting"] == "reference"}
-    for r in rows:
+    for r, rs in zip(rows, runs.values(), strict=True):
         base = ref.get(r["case"])
         speedup = f"{r['req_per_s'] / base['req_per_s']:.2f}" if base else "-"
+        rates = [x["req_per_s"] for x in rs]
+        span = f" {max(rates):,.0f}-{min(rates):,.0f} |" if spread else ""
         print(f"| {r['case']} | {r['accounting']} | {r['requests']:,} | {r['wall_s']:.1f} | "
-              f"{r['sim_time_s']:.0f} | {r['steps']:,} ({r['step_rows']:,}) | {r['req_per_s']:,.0f} | "
-              f"{r['req_per_s'] / TARGET_RPS:.3f} | {speedup} | {r['peak_rss_mb']:.0f} | "
+              f"{r['sim_time_s']:.0f} | {r['steps']:,} ({r['step_rows']:,}) | {r['req_per_s']:,.0f} |"
+              f"{span} {r['req_per_s'] / TARGET_RPS:.3f} | {speedup} | {r['peak_rss_mb']:.0f} | "
               f"{r['peak_rss_mb'] / TARGET_RSS_MB:.2f} |")
     if args.profile_limit:
         _, prof = _run_child("mooncake-spec6", "fast", args.profile_limit, profile=True)
