@@ -991,6 +991,8 @@ class OffloadingScheduler:
                 spans = [(taken[0] * bpc, (taken[-1] + 1) * bpc)]
             else:
                 spans = [(j * bpc, j * bpc + bpc) for j in taken]
+            if spans and spans[-1][1] > len(ids):   # a slice would cut short what indexing refuses
+                raise IndexError(f"group {g}: chunk {taken[-1]} lies past the request's {len(ids)} block ids")
             gids: list[int] = []
             first: int | None = None
             for lo, hi in spans:
