@@ -816,6 +816,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"kvsim: warning: {_n(len(over), 'point')} overloaded ({', '.join(map(str, over[:10]))}"
               f"{' ...' if len(over) > 10 else ''}): the queue grows with the trace, so their TTFT is "
               f"the queue's; do not size from them (docs/metrics.md)", file=sys.stderr)
+        stopped = sum(1 for i in over if report.summaries[i].get("end") == "queue_limit")
+        if stopped:
+            print(f"kvsim: {_n(stopped, 'point')} of them stopped when their queue reached "
+                  f"output.stop_at_waiting (end = queue_limit)", file=sys.stderr)
     if report.interrupted is not None:
         kept = f"; previous sweep kept in {report.previous}" if report.previous is not None else ""
         print(f"kvsim sweep: interrupted; {len(report.summaries)} of {_n(len(sweep.points), 'point')} in "

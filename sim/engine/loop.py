@@ -160,6 +160,8 @@ class EngineConfig(SchedulerConfig):
     d2h: TransferModel = ZERO_TRANSFER
     occupancy_interval_s: float = 1.0
     max_sim_time_s: float | None = None
+    #: stop the run once this many requests wait at a step boundary (None: never)
+    stop_at_waiting: int | None = None
     copy_path: CopyPathConfig | None = None
     #: who decides: kvsim's model, or the installed vLLM (:mod:`sim.engine.vllm_engine`)
     decisions: Literal["model", "vllm", "differential"] = "model"
@@ -178,12 +180,15 @@ class EngineConfig(SchedulerConfig):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.occupancy_interval_s <= 0:
             raise ValueError("occupancy_interval_s must be > 0")
+        if self.stop_at_waiting is not None and self.stop_at_waiting < 1:
+            raise ValueError("stop_at_waiting must be >= 1")
         if len(self.tier_links) != len(self.tiers):
             raise ValueError(f"{len(self.tiers)} tiers but {len(self.tier_links)} tier links")
 
 
-#: why a run stopped before its end (``diverged``: the differential mode's first divergence)
-StopReason = Literal["stopped_on_crash", "time_limit", "diverged"]
+#: why a run stopped before its end (``diverged``: the differential mode's first divergence;
+#: ``queue_limit``: the waiting queue reached ``stop_at_waiting``)
+StopReason = Literal["stopped_on_crash", "time_limit", "diverged", "queue_limit"]
 
 
 @dataclass
@@ -291,9 +296,6 @@ class Engine:
                 raise ValueError(f"request {req.req_id} arrives at {req.arrival_s} s, before "
                                  f"the previous one ({last} s): the stream must be sorted")
             last = req.arrival_s
-            if self.summary.first_arrival_s is None:
-                self.summary.first_arrival_s = last
-            self.summary.last_arrival_s = last
             ready = req.arrival_s
             if hash_s:
                 ready = hashed_until = prompt_hashed_at(ready, hashed_until, req.prompt_tokens,
@@ -303,6 +305,9 @@ class Engine:
                 yield env.timeout(ready - env.now)
             if self.stop_reason is not None:
                 break
+            if self.summary.first_arrival_s is None:   # the arrival window: requests that did arrive
+                self.summary.first_arrival_s = last
+            self.summary.last_arrival_s = last
             env.process(self._lifecycle(req))
         self.next_arrival_s = math.inf
         self.arrivals_done = True
@@ -339,6 +344,8 @@ class Engine:
             if self.stop_reason is not None:
                 break
             busy = yield from self._step()
+            if self.stop_reason is None:
+                self._check_queue_limit()
             if self.stop_reason is not None:
                 break
             if busy:
@@ -350,6 +357,14 @@ class Engine:
         self.end_s = env.now
         if not self._stop.triggered:
             self._stop.succeed()
+
+    def _check_queue_limit(self) -> None:
+        """Stop once ``stop_at_waiting`` requests wait (an engine that far behind
+        the trace is overloaded: what comes after measures the trace's length)."""
+        limit = self.cfg.stop_at_waiting
+        if limit is not None and self.sched.num_waiting >= limit:
+            self.stop_reason = "queue_limit"
+            self.summary.stopped_waiting = self.sched.num_waiting
 
     def _drained(self) -> bool:
         """Nothing left to do once arrivals are over: no request, no transfer in flight or due."""

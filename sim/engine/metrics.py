@@ -455,8 +455,10 @@ def load_verdict(s: RunSummary) -> dict[str, Any]:
     (by >= max(GROWTH_MIN_REQUESTS, GROWTH_MIN_SHARE x arrivals) requests), or
     the backlog left at the last arrival takes longer than DRAIN_SHARE of the
     arrival window to drain with the queue having peaked at DRAIN_MIN_PEAK or
-    more. On a finite trace a stable engine keeps its queue near flat and
-    drains within about one request's latency."""
+    more, or the run stopped because its queue reached ``output.stop_at_waiting``
+    (then the arrival window is the part of the trace that arrived). On a
+    finite trace a stable engine keeps its queue near flat and drains within
+    about one request's latency."""
     first, last = s.first_arrival_s, s.last_arrival_s
     end = s.sim_time_s
     span = (last - first) if first is not None and last is not None else 0.0
@@ -467,11 +469,16 @@ def load_verdict(s: RunSummary) -> dict[str, Any]:
     growth = slope * span if slope is not None else None
     grow_min = max(GROWTH_MIN_REQUESTS, GROWTH_MIN_SHARE * s.requests_arrived)
     trend = "n/a" if growth is None else ("growing" if growth >= grow_min else "stable")
-    drain = (end - last) if last is not None else None
+    # a run stopped at its queue limit drained nothing
+    drain = (end - last) if last is not None and s.stopped_waiting is None else None
     at_last = pts[-1][1] if pts else None
     reason = ""
     overloaded = False
-    if trend == "growing" and growth is not None:
+    if s.stopped_waiting is not None:
+        overloaded = True
+        reason = (f"the waiting queue reached {s.stopped_waiting} requests at {end:.0f} s and the run "
+                  f"stopped there (output.stop_at_waiting): {s.requests_arrived} requests had arrived")
+    elif trend == "growing" and growth is not None:
         overloaded = True
         reason = (f"the waiting queue grew by about {growth:.0f} requests over the {span:.0f} s "
                   f"of arrivals (threshold {grow_min:.0f})")
@@ -548,6 +555,8 @@ class RunSummary(SchedulerStats):
     last_arrival_s: float | None = None
     #: largest waiting queue seen at a step boundary
     peak_waiting: int = 0
+    #: the waiting queue when the run stopped at ``output.stop_at_waiting`` (None: it did not)
+    stopped_waiting: int | None = None
     #: waiting-queue samples (time, requests), one per occupancy sample
     queue_t: array[float] = field(default_factory=lambda: array("d"))
     queue_n: array[int] = field(default_factory=lambda: array("q"))

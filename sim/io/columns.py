@@ -88,7 +88,7 @@ SUMMARY_KEYS: dict[str, Key] = {
                         + (" (only with secondary tiers)" if t in OPTIONAL_TABLES else ""),
                         column=False) for t in TABLES},
     "end": Key("str", "-", "how the simulation ended: ok | stopped_on_crash (on_crash = \"stop\") | "
-               "time_limit (output.max_sim_time_s)"),
+               "time_limit (output.max_sim_time_s) | queue_limit (output.stop_at_waiting)"),
     "requests.arrived": Key("int", "requests", "requests that arrived"),
     "requests.finished": Key("int", "requests", "requests that finished"),
     "requests.rejected": Key("int", "requests", "requests rejected: the prompt never fits in the GPU pool"),

@@ -60,7 +60,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           ("hardware" | "zero"), tensor_parallel (1)
     [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
                           timing (model | measured), memory_limit
-    [output]              occupancy_interval_s (1.0), max_sim_time_s (none)
+    [output]              occupancy_interval_s (1.0), max_sim_time_s (none), stop_at_waiting (none)
 
 Derived quantities (documented simplifications)
     * **KV bytes per block id.** vLLM's hybrid allocator gives all groups one
@@ -751,6 +751,10 @@ class OutputSection(Strict):
     occupancy_interval_s: float = Field(default=1.0, gt=0, description="occupancy sampling period")
     max_sim_time_s: float | None = Field(default=None, gt=0,
                                          description="stop the run at this simulated time")
+    stop_at_waiting: int | None = Field(
+        default=None, ge=1,
+        description="stop the run once this many requests wait (an overloaded engine: the run "
+                    "ends with end = queue_limit and is marked overloaded)")
 
 
 Workload = Annotated[MultiTurnWorkload | UniformWorkload | MooncakeWorkload, Field(discriminator="kind")]
@@ -1502,7 +1506,8 @@ class RunSpec:
             on_crash=sc.on_crash, step_cost=self.step_cost, h2d=self.h2d, d2h=self.d2h,
             fast_forward=s.fast_forward, occupancy_interval_s=sc.output.occupancy_interval_s,
             transfer_piece=self.model.kv_transfer_piece,
-            max_sim_time_s=sc.output.max_sim_time_s, assertions=sc.assertions, copy_path=copy,
+            max_sim_time_s=sc.output.max_sim_time_s, stop_at_waiting=sc.output.stop_at_waiting,
+            assertions=sc.assertions, copy_path=copy,
             block_accounting=s.block_accounting, decisions=sc.decisions,
             reserve_full_isl=s.reserve_full_isl, prompt_hash_s_per_block=self._prompt_hash_s(),
             **self._tier_config())

@@ -127,3 +127,41 @@ def test_a_run_with_rejected_requests_warns_and_shows_both_percentiles() -> None
     assert "(rejected = never)" in table
     warnings = summary_warnings({**fig, "status": "ok"})
     assert any("1 of 3 requests" in w and "rejected" in w for w in warnings)
+
+
+def test_a_run_stops_when_its_queue_reaches_stop_at_waiting() -> None:
+    # offered 100 req/s against ~25: the queue passes 30 within the first second
+    frames, over = run(_cfg(stop_at_waiting=30), _stream(200, 0.01))
+    assert over["status"] == "queue_limit"
+    assert over["overloaded"] is True
+    load = over["load"]
+    # stopped at the first step boundary with 30 or more waiting (a step may admit several arrivals)
+    waiting = frames["steps"]["waiting"].tolist()
+    assert waiting[-1] >= 30 and max(waiting[:-1]) < 30
+    assert load["peak_waiting"] == waiting[-1]
+    assert f"reached {waiting[-1]} requests" in load["reason"] and "stop_at_waiting" in load["reason"]
+    assert load["drain_s"] is None              # nothing drained after the stop
+    arrived = over["requests"]["arrived"]
+    assert 30 < arrived < 200                   # the rest of the trace never arrived
+    # the arrival window is what did arrive: its last arrival is the last request counted
+    assert load["arrival_span_s"] == pytest.approx((arrived - 1) * 0.01)
+    assert load["offered_requests_per_s"] == pytest.approx(100, rel=0.05)
+    # every arrived request has its row; the unfinished ones say so
+    rows = frames["requests"]
+    assert len(rows) == arrived
+    assert (rows["status"] == "unfinished").sum() == arrived - over["requests"]["finished"] > 0
+    assert any("stop_at_waiting" in w for w in summary_warnings({**over, "status": "ok"}))
+
+
+def test_a_queue_limit_never_reached_changes_nothing() -> None:
+    # the stable run's queue stays below 10: a limit of 10 must leave every row as it was
+    plain_frames, plain = run(_cfg(), _stream(200, 0.2))
+    capped_frames, capped = run(_cfg(stop_at_waiting=GROWTH_MIN_REQUESTS), _stream(200, 0.2))
+    assert capped == plain and capped["status"] == "ok"
+    for name in TABLES:
+        assert capped_frames[name].equals(plain_frames[name]), name
+
+
+def test_stop_at_waiting_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="stop_at_waiting"):
+        _cfg(stop_at_waiting=0)

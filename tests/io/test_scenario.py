@@ -97,7 +97,8 @@ def test_every_default_is_applied(tmp_path: Path):
     assert spec.multiturn_params() == dataclasses.asdict(MultiTurnParams())
     assert (sc.costs.step, sc.costs.transfer, sc.costs.tensor_parallel) == ("auto", "hardware", 1)
     assert sc.copy_path.enabled is False
-    assert (sc.output.occupancy_interval_s, sc.output.max_sim_time_s) == (1.0, None)
+    assert (sc.output.occupancy_interval_s, sc.output.max_sim_time_s, sc.output.stop_at_waiting) == (
+        1.0, None, None)
 
     # derived: 90% of 141 GB minus 30.5e9 parameters x 2 bytes, in blocks of 589,824 B
     assert spec.block_bytes == HYBRID_BLOCK == 589_824
@@ -729,3 +730,12 @@ def test_cost_profile_must_name_a_shipped_model_with_a_shape(tmp_path: Path):
     err = error_of(write(tmp_path, MINIMAL.replace('name = "hybrid-demo"',
                                                    'name = "hybrid-demo"\nkv_transfer_piece = "page"')))
     assert err.key == "model.kv_transfer_piece" and "layer" in err.allowed
+
+
+def test_stop_at_waiting_reaches_the_engine_and_refuses_what_is_not_a_positive_count(tmp_path: Path):
+    p = write(tmp_path, MINIMAL)
+    assert load_run(p, ["output.stop_at_waiting=500"]).engine_config().stop_at_waiting == 500
+    assert load_run(p).engine_config().stop_at_waiting is None
+    for bad, allowed in (("0", "greater than or equal to 1"), ("'many'", "a valid integer")):
+        with pytest.raises(InputError, match=f"output.stop_at_waiting.*{allowed}"):
+            load_run(p, [f"output.stop_at_waiting={bad}"])

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sim
-from sim.cli import main
+from sim.cli import _n, main
 from sim.errors import InputError
 from sim.io.columns import flat_summary
 from sim.io.validate import validate_file
@@ -250,6 +250,8 @@ def test_sweep_times_reads_every_points_wall_time(local12: Path):
     assert out.count("\n") >= 12 + 4
     assert "12 points (" in out
     assert f"{sum(walls) / 60:.1f} min of point wall time" in out
+    # no point of this sweep has a queue limit: none stopped at one
+    assert "stopped" in out.splitlines()[0] and ", 0 stopped at their queue limit," in out
 
 
 def test_sweep_times_refuses_a_folder_without_a_sweep(tmp_path: Path):
@@ -407,3 +409,16 @@ def test_whatif_validates_and_runs_in_smoke_mode(name: str, tmp_path: Path, requ
     t = sim.load_sweep(tmp_path / "out").table
     assert len(t) == len(sw.points) and (t["status"] == "ok").all()
     assert (t["requests_finished"] > 0).all()
+
+
+def test_points_stopped_at_their_queue_limit_are_told_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A sweep run with ``output.stop_at_waiting``: the points whose queue reached it end
+    with ``queue_limit``, are overloaded, and the closing warning counts them."""
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(CPU12), "--smoke", "--out", str(out), "-q", *SMALL,
+                 "--set", "output.stop_at_waiting=2"]) == 0
+    err = capsys.readouterr().err
+    table = sim.load_sweep(out).table
+    stopped = table[table["end"] == "queue_limit"]
+    assert len(stopped) >= 1 and stopped["overloaded"].all()
+    assert f"{_n(len(stopped), 'point')} of them stopped when their queue reached output.stop_at_waiting" in err
