@@ -5,9 +5,10 @@ its ``run_info.json`` (``wall_clock_s``, ``started_utc``). This script joins the
 two and prints, for a sweep folder:
 
 * one row per point (model, workload, CPU RAM, policy, overloaded or not,
-  requests finished, wall minutes, simulated requests per wall second);
-* per model and workload: points, overloaded points, the sum of their wall
-  times and the slowest;
+  stopped at its queue limit or not (``output.stop_at_waiting``), requests
+  finished, wall minutes, simulated requests per wall second);
+* per model and workload: points, overloaded points, points stopped at their
+  queue limit, the sum of their wall times and the slowest;
 * the total of the points' wall times (the sweep's time on one core) and the
   span from the first point's start to the last point's end (the sweep's own
   wall time with however many jobs it ran, when it ran in one go; a resumed
@@ -51,6 +52,7 @@ def point_times(folder: Path) -> pd.DataFrame:
             "policy": rec["cpu_cache_policy"],
             "status": rec["status"],
             "overloaded": bool(rec["overloaded"]),
+            "stopped": rec.get("end") == "queue_limit",
             "requests": int(rec["requests_finished"]),
             "wall_min": info["wall_clock_s"] / 60,
             "start": start,
@@ -77,16 +79,18 @@ def main() -> int:
         print(f"sweep_times: {folder}: no finished point has a run_info.json", file=sys.stderr)
         return 2
     if args.points:
-        cols = ["point", "model", "workload", "capacity", "policy", "overloaded", "requests", "wall_min"]
+        cols = ["point", "model", "workload", "capacity", "policy", "overloaded", "stopped", "requests",
+                "wall_min"]
         out = df[cols].assign(req_per_wall_s=df.requests / (df.wall_min * 60))
         print(out.to_string(index=False, float_format="{:.1f}".format))
         print()
     by = df.groupby(["model", "workload"], sort=False).agg(
-        points=("point", "size"), overloaded=("overloaded", "sum"),
+        points=("point", "size"), overloaded=("overloaded", "sum"), stopped=("stopped", "sum"),
         wall_min_sum=("wall_min", "sum"), wall_min_max=("wall_min", "max"))
     print(by.reset_index().to_string(index=False, float_format="{:.1f}".format))
     span = (df.end.max() - df.start.min()).total_seconds() / 60
-    print(f"\n{len(df)} points ({int(df.overloaded.sum())} overloaded, "
+    print(f"\n{len(df)} points ({int(df.overloaded.sum())} overloaded, {int(df.stopped.sum())} stopped "
+          f"at their queue limit, "
           f"{int((df.status != 'ok').sum())} not ok): {df.wall_min.sum():.1f} min of point wall time "
           f"(one core); {span:.1f} min from the first start to the last end")
     return 0
