@@ -411,7 +411,8 @@ def test_whatif_validates_and_runs_in_smoke_mode(name: str, tmp_path: Path, requ
     assert (t["requests_finished"] > 0).all()
 
 
-def test_points_stopped_at_their_queue_limit_are_told_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_points_stopped_at_their_queue_limit_are_told_apart(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]):
     """A sweep run with ``output.stop_at_waiting``: the points whose queue reached it end
     with ``queue_limit``, are overloaded, and the closing warning counts them."""
     out = tmp_path / "sweep"
@@ -421,4 +422,5 @@ def test_points_stopped_at_their_queue_limit_are_told_apart(tmp_path: Path, caps
     table = sim.load_sweep(out).table
     stopped = table[table["end"] == "queue_limit"]
     assert len(stopped) >= 1 and stopped["overloaded"].all()
-    assert f"{_n(len(stopped), 'point')} of them stopped when their queue reached output.stop_at_waiting" in err
+    said = f"{_n(len(stopped), 'point')} of them stopped when their queue reached output.stop_at_waiting"
+    assert said in err
