@@ -362,9 +362,12 @@ class Engine:
         """Stop once ``stop_at_waiting`` requests wait (an engine that far behind
         the trace is overloaded: what comes after measures the trace's length)."""
         limit = self.cfg.stop_at_waiting
-        if limit is not None and self.sched.num_waiting >= limit:
+        if limit is None:
+            return
+        waiting = self.sched.num_waiting
+        if waiting >= limit:
             self.stop_reason = "queue_limit"
-            self.summary.stopped_waiting = self.sched.num_waiting
+            self.summary.stopped_waiting = waiting
 
     def _drained(self) -> bool:
         """Nothing left to do once arrivals are over: no request, no transfer in flight or due."""
