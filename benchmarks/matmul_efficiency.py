@@ -1,4 +1,4 @@
-"""The matmul efficiency of an H100 by step size, from measured per-layer operator times.
+"""The matmul efficiency of an H100 and of an A100 by step size, from measured per-layer operator times.
 
 kvsim's roofline step model charges a step's token FLOPs (every weight matmul, and the
 per-token work around them) at ``efficiency x dense BF16 peak``. This script derives that
@@ -23,11 +23,18 @@ efficiency from measured times, not from an assumption:
 * Per window: the median token count and the median efficiency. These four points are
   ``sim.model.costs.HOPPER_MATMUL_EFFICIENCY``; ``tests/model/test_costs_roofline.py``
   checks that they are what this script computes.
+* The A100 the same way: Vidur's operator profile of the same layer on an A100
+  (``data/profiling/compute/a100/meta-llama/Llama-2-7b-hf/mlp.csv`` at commit
+  bee57dafa1eb2dc422dcaec46a66975599a6a242; tensor parallelism 1), the rows of the same
+  four windows (``A100_WINDOWS``), over the A100's dense BF16 peak (312e12): the points of
+  ``sim.model.costs.AMPERE_MATMUL_EFFICIENCY``.
 
     python benchmarks/matmul_efficiency.py            # the table of docs/costs.md
 
 What the rows show: about 0.63 from 1,600 tokens up, 0.54-0.63 around 1,024 (high at
 and just below 1,024, low just above it: the GEMM tiles' last wave), 0.45-0.55 around 512.
+The A100's rows are flatter: 0.57-0.65 from 488 to 4,096 tokens (its peak is a third of
+the H100's, so the same small step keeps its tensor cores busier).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import sys
 
 #: kvsim's dense BF16 peak of an H100 SXM (sim.model.costs.GPU_PROFILES["h100"])
 H100_PEAK = 989e12
+#: kvsim's dense BF16 peak of an A100 SXM (sim.model.costs.GPU_PROFILES["a100"])
+A100_PEAK = 312e12
 #: weight-matmul FLOPs per token of one Llama-2-7B layer: 2 x hidden x (QKV 12,288 + output
 #: 4,096 + gate-and-up 22,016 + down 11,008 over the hidden size)
 FLOPS_PER_TOKEN = 2 * 4096 * (3 * 4096 + 4096 + 2 * 11008 + 11008)
@@ -91,38 +100,90 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[float, ...]], ...]] = {
     ),
 }
 
+#: The A100's rows of the same windows (Vidur's A100 profile, same columns; both 4,096-token rows
+#: in file order), copied as the file has them (binary noise such as 0.10400000000000001 trimmed)
+A100_WINDOWS: dict[str, tuple[tuple[int, tuple[float, ...]], ...]] = {
+    "512": (
+        (544, (0.013, 0.262, 0.022, 0.095, 0.012, 0.460, 0.037, 0.238, 0.007)),
+        (536, (0.012, 0.282, 0.022, 0.097, 0.012, 0.463, 0.036, 0.242, 0.007)),
+        (528, (0.013, 0.288, 0.022, 0.099, 0.012, 0.468, 0.036, 0.247, 0.007)),
+        (520, (0.012, 0.278, 0.0215, 0.0935, 0.012, 0.4565, 0.035, 0.239, 0.007)),
+        (512, (0.012, 0.234, 0.022, 0.088, 0.012, 0.402, 0.0365, 0.229, 0.007)),
+        (504, (0.012, 0.2295, 0.022, 0.085, 0.012, 0.398, 0.036, 0.220, 0.007)),
+        (496, (0.012, 0.230, 0.021, 0.086, 0.012, 0.3995, 0.036, 0.205, 0.007)),
+        (488, (0.011, 0.223, 0.020, 0.084, 0.0115, 0.392, 0.035, 0.193, 0.006)),
+    ),
+    "1,024": (
+        (1088, (0.025, 0.489, 0.040, 0.191, 0.024, 0.896, 0.077, 0.519, 0.014)),
+        (1072, (0.024, 0.489, 0.040, 0.192, 0.023, 0.896, 0.072, 0.518, 0.014)),
+        (1056, (0.023, 0.472, 0.039, 0.186, 0.022, 0.869, 0.070, 0.503, 0.013)),
+        (1040, (0.023, 0.481, 0.0385, 0.189, 0.022, 0.8845, 0.071, 0.511, 0.013)),
+        (1024, (0.022, 0.475, 0.038, 0.176, 0.022, 0.877, 0.070, 0.431, 0.012)),
+        (1016, (0.0225, 0.476, 0.038, 0.174, 0.022, 0.878, 0.070, 0.433, 0.012)),
+        (1008, (0.023, 0.4865, 0.038, 0.179, 0.022, 0.899, 0.070, 0.4385, 0.013)),
+        (1000, (0.021, 0.458, 0.037, 0.2205, 0.021, 0.846, 0.068, 0.417, 0.012)),
+    ),
+    "2,000": (
+        (1984, (0.050, 0.9615, 0.073, 0.296, 0.052, 1.663, 0.1305, 0.783, 0.025)),
+        (1968, (0.051, 0.987, 0.074, 0.304, 0.053, 1.551, 0.131, 0.808, 0.025)),
+        (1952, (0.050, 0.989, 0.073, 0.319, 0.0515, 1.550, 0.129, 0.808, 0.025)),
+        (1936, (0.049, 0.975, 0.072, 0.314, 0.050, 1.530, 0.126, 0.798, 0.025)),
+        (1920, (0.049, 0.932, 0.072, 0.294, 0.050, 1.606, 0.127, 0.786, 0.026)),
+        (1904, (0.050, 0.951, 0.073, 0.299, 0.051, 1.482, 0.128, 0.804, 0.026)),
+        (1888, (0.049, 0.960, 0.073, 0.302, 0.051, 1.492, 0.129, 0.811, 0.026)),
+        (1872, (0.048, 0.9455, 0.071, 0.297, 0.050, 1.469, 0.127, 0.8005, 0.025)),
+    ),
+    "4,096": (
+        (4096, (0.105, 1.911, 0.149, 0.611, 0.104, 3.3655, 0.266, 1.604, 0.055)),
+        (4096, (0.104, 1.8865, 0.1485, 0.603, 0.104, 3.324, 0.2645, 1.585, 0.055)),
+        (4064, (0.104, 1.9015, 0.1475, 0.594, 0.103, 3.3605, 0.2635, 1.599, 0.055)),
+        (4032, (0.1025, 1.886, 0.147, 0.592, 0.102, 3.3425, 0.260, 1.5845, 0.054)),
+        (4000, (0.103, 1.910, 0.146, 0.596, 0.102, 3.3655, 0.260, 1.604, 0.054)),
+        (3968, (0.102, 1.846, 0.1445, 0.5905, 0.101, 3.272, 0.258, 1.6035, 0.053)),
+        (3936, (0.102, 1.858, 0.143, 0.5955, 0.100, 3.293, 0.256, 1.607, 0.053)),
+        (3904, (0.101, 1.845, 0.142, 0.591, 0.100, 3.273, 0.254, 1.603, 0.053)),
+    ),
+}
 
-def row_efficiency(tokens: int, ms: tuple[float, ...]) -> float:
+Windows = dict[str, tuple[tuple[int, tuple[float, ...]], ...]]
+#: per GPU: its measured rows and kvsim's dense BF16 peak for it
+GPUS: dict[str, tuple[Windows, float]] = {"h100": (WINDOWS, H100_PEAK), "a100": (A100_WINDOWS, A100_PEAK)}
+
+
+def row_efficiency(tokens: int, ms: tuple[float, ...], peak: float = H100_PEAK) -> float:
     """Weight-matmul FLOPs of one layer over the time of its operators outside attention
-    (the residual add twice), as a fraction of the H100's dense BF16 peak."""
+    (the residual add twice), as a fraction of ``peak`` (the H100's dense BF16 peak by default)."""
     times = dict(zip(COLUMNS, ms, strict=True))
     seconds = (sum(times.values()) + times["add"]) / 1e3
-    return tokens * FLOPS_PER_TOKEN / seconds / H100_PEAK
+    return tokens * FLOPS_PER_TOKEN / seconds / peak
 
 
-def window_points() -> tuple[tuple[int, float], ...]:
-    """Per window, (median token count, median efficiency rounded to 3 places)."""
+def window_points(gpu: str = "h100") -> tuple[tuple[int, float], ...]:
+    """Per window of ``gpu``'s rows, (median token count, median efficiency rounded to 3 places)."""
+    windows, peak = GPUS[gpu]
     out = []
-    for rows in WINDOWS.values():
+    for rows in windows.values():
         tokens = statistics.median(t for t, _ in rows)
-        eff = statistics.median(row_efficiency(t, ms) for t, ms in rows)
+        eff = statistics.median(row_efficiency(t, ms, peak) for t, ms in rows)
         out.append((int(tokens), round(eff, 3)))
     return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    print(f"H100 peak {H100_PEAK:.4g} FLOP/s; {FLOPS_PER_TOKEN:,} weight-matmul FLOPs per token and layer")
-    print("| window | tokens | matmuls ms | other ops ms | efficiency |")
-    print("|---|---:|---:|---:|---:|")
-    for name, rows in WINDOWS.items():
-        for t, ms in rows:
-            d = dict(zip(COLUMNS, ms, strict=True))
-            mm = d["attn_pre_proj"] + d["attn_post_proj"] + d["mlp_up_proj"] + d["mlp_down_proj"]
-            other = sum(ms) + d["add"] - mm
-            print(f"| {name} | {t:,} | {mm:.4f} | {other:.4f} | {row_efficiency(t, ms):.3f} |")
-    print("\nper window (median tokens, median efficiency): "
-          + ", ".join(f"({t:,}, {e:.3f})" for t, e in window_points()))
+    for gpu, (windows, peak) in GPUS.items():
+        print(f"{gpu.upper()} peak {peak:.4g} FLOP/s; {FLOPS_PER_TOKEN:,} weight-matmul FLOPs per token "
+              "and layer")
+        print("| window | tokens | matmuls ms | other ops ms | efficiency |")
+        print("|---|---:|---:|---:|---:|")
+        for name, rows in windows.items():
+            for t, ms in rows:
+                d = dict(zip(COLUMNS, ms, strict=True))
+                mm = d["attn_pre_proj"] + d["attn_post_proj"] + d["mlp_up_proj"] + d["mlp_down_proj"]
+                other = sum(ms) + d["add"] - mm
+                print(f"| {name} | {t:,} | {mm:.4f} | {other:.4f} | {row_efficiency(t, ms, peak):.3f} |")
+        print(f"\n{gpu} per window (median tokens, median efficiency): "
+              + ", ".join(f"({t:,}, {e:.3f})" for t, e in window_points(gpu)) + "\n")
     return 0
 
 

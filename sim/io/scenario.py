@@ -203,6 +203,7 @@ from sim.model.costs import (
     GPU_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
+    GpuProfile,
     HostOverhead,
     ModelShape,
     RooflineStepModel,
@@ -210,6 +211,7 @@ from sim.model.costs import (
     StepTimeModel,
     TransferModel,
     TransferPiece,
+    gpu_profile,
     roofline_step_model,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
@@ -465,8 +467,18 @@ class HardwareFile(Strict):
     schema_: Literal["hardware/1"] = Field(alias="schema", description="format and version")
     name: str = Field(description="profile name")
     description: str | None = Field(default=None, description="one line: the node")
-    gpu: str = Field(description="key of sim.model.costs.GPU_PROFILES (step-time model)")
+    gpu: str = Field(description="key of sim.model.costs.GPU_PROFILES (step-time model), or a GPU not "
+                     "shipped, described by dense_bf16_flops and hbm_bandwidth")
     hbm_bytes: Size = Field(gt=0, description="GPU memory")
+    dense_bf16_flops: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="dense BF16 tensor FLOP/s (default: the GPU's; "
+        "required for a GPU not shipped)")
+    hbm_bandwidth: Bandwidth | None = Field(
+        default=None, gt=0,
+        description="peak HBM bytes/s (default: the GPU's; required for a GPU not shipped)")
+    attention_efficiency: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of dense_bf16_flops the attention kernels reach "
+        "(default: the GPU's measurement, else the H100's)")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of HBM vLLM may use")
     cpu_ram_bytes: Size | None = Field(
         default=None, gt=0, description="host RAM of the node: bounds cpu_cache (refused beyond it)")
@@ -1162,6 +1174,7 @@ class ResolvedHardware:
     profile: str  #: a shipped name, or an absolute path
     name: str
     gpu: str
+    gpu_profile: GpuProfile  #: the GPU's figures: the shipped profile of ``gpu``, or the file's own
     hbm_bytes: int
     gpu_memory_utilization: float
     h2d_bandwidth: int
@@ -1288,8 +1301,20 @@ def load_hardware_file(path: Path) -> HardwareFile:
     hw = _validate(HardwareFile, data, source)
 
     if hw.gpu not in GPU_PROFILES:
-        raise InputError(source, "gpu", f"{hw.gpu!r} is not a known GPU profile", ", ".join(GPU_PROFILES))
+        missing = [k for k in ("dense_bf16_flops", "hbm_bandwidth") if getattr(hw, k) is None]
+        if missing:
+            raise InputError(source, "gpu", f"{hw.gpu!r} is not a shipped GPU and the file gives no "
+                             f"{' or '.join(missing)}",
+                             f"{', '.join(GPU_PROFILES)}, or any name with dense_bf16_flops and "
+                             "hbm_bandwidth")
     return hw
+
+
+def hardware_gpu(hw: HardwareFile, source: str = "") -> GpuProfile:
+    """The GPU profile of a validated ``hardware/1`` file (:func:`sim.model.costs.gpu_profile`)."""
+    return gpu_profile(hw.gpu, hbm_bytes=hw.hbm_bytes, dense_bf16_flops=hw.dense_bf16_flops,
+                       hbm_bandwidth_bytes_per_s=hw.hbm_bandwidth,
+                       attention_efficiency=hw.attention_efficiency, source=source)
 
 
 def load_storage_file(path: Path) -> StorageFile:
@@ -1380,13 +1405,13 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
                              f"{_available('hardware')}, or a path to a hardware/1 file")
         profile = p
     hw = load_hardware_file(path)
-    g = GPU_PROFILES[hw.gpu]
+    g = hardware_gpu(hw, str(path))
 
     def pick(over: Any, default: Any) -> Any:
         return default if over is None else over
 
     return ResolvedHardware(
-        profile=profile, name=hw.name, gpu=hw.gpu, hbm_bytes=hw.hbm_bytes,
+        profile=profile, name=hw.name, gpu=hw.gpu, gpu_profile=g, hbm_bytes=hw.hbm_bytes,
         gpu_memory_utilization=pick(sec.gpu_memory_utilization, hw.gpu_memory_utilization),
         h2d_bandwidth=pick(sec.h2d_bandwidth, hw.h2d_bandwidth),
         d2h_bandwidth=pick(sec.d2h_bandwidth, hw.d2h_bandwidth),
@@ -1703,7 +1728,7 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
                          "has none and no cost_profile",
                          '"zero", an inline table {overhead_s, prefill_token_s, decode_seq_s, '
                          'context_token_s}, model.shape, or model.cost_profile')
-    return roofline_step_model(GPU_PROFILES[hw.gpu], model.cost_shape, layout.groups,
+    return roofline_step_model(hw.gpu_profile, model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
                                tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu,
                                host=hw.host())

@@ -15,6 +15,7 @@ from sim.io.check import load_check_file, parse_check
 from sim.io.scenario import (
     SCHEMAS,
     group_spec,
+    hardware_gpu,
     load_hardware_file,
     load_model_file,
     load_run,
@@ -40,7 +41,9 @@ def _describe_model(path: Path) -> str:
 def _describe_hardware(path: Path) -> str:
     hw = load_hardware_file(path)
     fitted = "".join(f", {k} {getattr(hw, k):.3g}" for k in ("mfu", "mbu") if getattr(hw, k) is not None)
-    return (f"hardware/1: {hw.name} (gpu {hw.gpu}), HBM {hw.hbm_bytes / 1e9:g} GB, "
+    g = hardware_gpu(hw, str(path))
+    return (f"hardware/1: {hw.name} (gpu {hw.gpu}: {g.dense_bf16_flops / 1e12:g} TFLOPS, "
+            f"{g.hbm_bandwidth_bytes_per_s / 1e12:g} TB/s), HBM {hw.hbm_bytes / 1e9:g} GB, "
             f"H2D {hw.h2d_bandwidth / 1e9:g} GB/s, D2H {hw.d2h_bandwidth / 1e9:g} GB/s{fitted}")
 
 

@@ -110,6 +110,7 @@ Invariants (checked at construction, raising :class:`ValueError`)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ from typing import Literal, Protocol
 from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 
 __all__ = [
+    "AMPERE_MATMUL_EFFICIENCY",
     "DEFAULT_ATTENTION_EFFICIENCY",
     "DEFAULT_MBU",
     "DEFAULT_MFU",
@@ -141,6 +143,7 @@ __all__ = [
     "attention_pairs",
     "before_loads_s",
     "chunked_prefill_time",
+    "gpu_profile",
     "group_span",
     "kv_bytes_per_token",
     "kv_terms",
@@ -159,6 +162,10 @@ DEFAULT_MFU = 0.5
 #: (``benchmarks/matmul_efficiency.py``, docs/costs.md). The H200 has the same tensor cores.
 HOPPER_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.488), (1032, 0.591), (1928, 0.63),
                                                             (4016, 0.633))
+#: The same measurement on an A100 (Vidur's A100 operator profile of the same layers, the same
+#: windows, over 312 TFLOP/s): flatter than the H100's, its peak being a third as high.
+AMPERE_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.622), (1032, 0.615), (1928, 0.632),
+                                                           (4016, 0.643))
 #: Default fraction of dense BF16 peak that attention kernels reach on the query-key pairs of
 #: attention groups (not mamba): FlashAttention-3, which vLLM's FlashAttention backend runs on
 #: Hopper, measured 614-621 TFLOP/s of 989 on an H100 at head dim 128 and 8k-16k tokens
@@ -680,6 +687,14 @@ PCIE_PIECE_OVERHEAD_S = 2.5e-6
 #: the same rate: 83.4 / (2 x 50) each.
 PCIE_H2D_DUPLEX_FACTOR = 0.834
 PCIE_D2H_DUPLEX_FACTOR = 0.834
+#: Effective PCIe Gen4 x16 figure per direction (pinned memory, large copies): nvbandwidth measured
+#: 25.13 GB/s host->device on an A100-SXM4-40GB (512 MiB-1 GiB buffers) and about 25 GB/s each way
+#: on A100-SXM4-80GB hosts; the raw link rate is 16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s.
+PCIE4_X16_EFFECTIVE_BYTES_PER_S = 25 * _GB
+#: Rate kept on a PCIe Gen4 x16 link with the other direction busy: nvbandwidth's bidirectional copies on
+#: A100 hosts, host->device 12-13 GB/s and device->host 24 GB/s against 25-26 GB/s one way (0.47, 0.95).
+PCIE4_H2D_DUPLEX_FACTOR = 0.47
+PCIE4_D2H_DUPLEX_FACTOR = 0.95
 #: The engine's host time per step and per scheduled request (sources in docs/costs.md).
 HOST_STEP_S = 1.4e-3
 HOST_PER_REQUEST_S = 15e-6
@@ -736,6 +751,23 @@ _HOST = HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S, H
 
 def _pcie5_x16(duplex: float) -> TransferModel:
     return TransferModel(PCIE5_X16_EFFECTIVE_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S, duplex)
+
+
+def _pcie4_x16(duplex: float) -> TransferModel:
+    return TransferModel(PCIE4_X16_EFFECTIVE_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S, duplex)
+
+
+_PCIE4_SOURCES = (
+    "https://github.com/NVIDIA/nvbandwidth/issues/42: A100-SXM4-40GB host_to_device_memcpy_sm 25.13 GB/s "
+    "(512 MiB and 1 GiB buffers)",
+    "https://github.com/NVIDIA/nvbandwidth/issues/11 and /issues/53: A100 hosts on PCIe 4.0, 25-26 GB/s "
+    "each way alone; with both directions copying, host->device 12-13 GB/s and device->host 24 GB/s "
+    "(duplex factors 0.47 and 0.95)",
+    "https://github.com/NVIDIA/nvbandwidth/issues/15: RTX 4090 (PCIe 4.0) host_to_device_memcpy_ce "
+    "23.9-26.4 GB/s, device_to_host 26.3-27.1 GB/s, bidirectional host->device 11.2-16 GB/s",
+    "assumption: 25 GB/s effective each way on every PCIe Gen4 x16 host; per-job latency and per-copy "
+    "cost as on PCIe Gen5 (see docs/costs.md)",
+)
 
 
 #: GPU profiles by name.
@@ -801,7 +833,103 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         ),
         attention_efficiency=0.85,
     ),
+    "a100": GpuProfile(
+        name="a100",
+        hbm_bytes=80 * _GB,
+        hbm_bandwidth_bytes_per_s=2.039e12,
+        dense_bf16_flops=312e12,
+        h2d=_pcie4_x16(PCIE4_H2D_DUPLEX_FACTOR),
+        d2h=_pcie4_x16(PCIE4_D2H_DUPLEX_FACTOR),
+        host=_HOST,
+        matmul_efficiency=AMPERE_MATMUL_EFFICIENCY,
+        sources=(
+            "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (as tabled at "
+            "https://glennklockwood.com/garden/processors/A100 and "
+            "https://www.thundercompute.com/blog/nvidia-a100-specs-full-guide): A100 SXM 80 GB HBM2e, "
+            "2,039 GB/s, BF16 tensor 312 TFLOPS dense (624 with sparsity), PCIe Gen4 x16",
+            "https://github.com/microsoft/vidur/blob/bee57dafa1eb2dc422dcaec46a66975599a6a242/data/profiling/"
+            "compute/a100/meta-llama/Llama-2-7b-hf/mlp.csv: median operator times of a Llama-2-7B layer on "
+            "an A100; matmul FLOPs over the time of every operator outside attention: 0.622 / 0.615 / "
+            "0.632 / 0.643 of 312 TFLOPS around 516 / 1,032 / 1,928 / 4,016 tokens "
+            "(benchmarks/matmul_efficiency.py)",
+            "arXiv:2307.08691 (FlashAttention-2, which vLLM runs on Ampere): 50-73 % of the A100's peak; "
+            "the top of the range taken, as for the H100 and H20 (long chunked prefills)",
+            *_PCIE4_SOURCES,
+            *_HOST_SOURCES,
+        ),
+        attention_efficiency=0.73,
+    ),
+    "l40s": GpuProfile(
+        name="l40s",
+        hbm_bytes=48 * _GB,
+        hbm_bandwidth_bytes_per_s=864e9,
+        dense_bf16_flops=362.05e12,
+        h2d=_pcie4_x16(PCIE4_H2D_DUPLEX_FACTOR),
+        d2h=_pcie4_x16(PCIE4_D2H_DUPLEX_FACTOR),
+        host=_HOST,
+        sources=(
+            "https://www.mullet.se/product.html?product_id=355414: NVIDIA's L40 / L40S datasheet table, "
+            "L40S 48 GB GDDR6, 864 GB/s, BF16 tensor 362.05 TFLOPS dense (733 with sparsity), PCIe Gen4 x16",
+            "https://www.itcreations.com/nvidia-gpu/nvidia-l40s-gpu-accelerator: 48 GB GDDR6, 864 GB/s, "
+            "PCIe Gen4 x16 64 GB/s bidirectional",
+            "assumption: matmuls at 0.5 of peak (no measured curve for this GPU) and attention at the "
+            "H100's 0.62 (vLLM runs FlashAttention-2 on Ada; no measurement found)",
+            *_PCIE4_SOURCES,
+            *_HOST_SOURCES,
+        ),
+    ),
 }
+
+
+
+def gpu_profile(name: str, *, hbm_bytes: int, dense_bf16_flops: float | None = None,
+                hbm_bandwidth_bytes_per_s: float | None = None, attention_efficiency: float | None = None,
+                source: str = "") -> GpuProfile:
+    """The GPU profile of a ``hardware/1`` file: a shipped one, or one given by its own figures.
+
+    Args:
+        name: the file's ``gpu``: a key of :data:`GPU_PROFILES`, or a GPU not shipped.
+        hbm_bytes: the file's HBM capacity (kept only for a GPU not shipped).
+        dense_bf16_flops: dense BF16 tensor FLOP/s; replaces the shipped figure
+            (the matmul curve, a fraction of peak, then applies to the new peak).
+        hbm_bandwidth_bytes_per_s: peak HBM bandwidth; replaces the shipped figure.
+        attention_efficiency: fraction of the peak attention reaches; replaces the shipped figure.
+        source: where the figures come from (the file), recorded in ``sources``.
+
+    A GPU not shipped needs ``dense_bf16_flops`` and ``hbm_bandwidth_bytes_per_s``;
+    its matmuls run at :data:`DEFAULT_MFU` and its attention at
+    :data:`DEFAULT_ATTENTION_EFFICIENCY` unless the file says otherwise, and its
+    per-copy cost, duplex factor and host time are the shipped profiles' (the file
+    can override each), all *assumptions* for that GPU.
+
+    Raises:
+        KeyError: a GPU not shipped without both figures.
+    """
+    given = f"{source}: given in the hardware file" if source else "given in the hardware file"
+    base = GPU_PROFILES.get(name)
+    if base is None:
+        if dense_bf16_flops is None or hbm_bandwidth_bytes_per_s is None:
+            raise KeyError(name)
+        return GpuProfile(
+            name=name, hbm_bytes=hbm_bytes, hbm_bandwidth_bytes_per_s=float(hbm_bandwidth_bytes_per_s),
+            dense_bf16_flops=float(dense_bf16_flops), h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+            d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR), host=_HOST, attention_efficiency=attention_efficiency,
+            sources=(f"{given}: peak, HBM bandwidth" + (", attention efficiency" if attention_efficiency
+                                                       is not None else ""),
+                     *_PCIE_SOURCES, *_HOST_SOURCES))
+    changed = [k for k, v in (("dense_bf16_flops", dense_bf16_flops),
+                              ("hbm_bandwidth_bytes_per_s", hbm_bandwidth_bytes_per_s),
+                              ("attention_efficiency", attention_efficiency)) if v is not None]
+    if not changed:
+        return base
+    return dataclasses.replace(
+        base, sources=(f"{given}: {', '.join(changed)}", *base.sources),
+        dense_bf16_flops=base.dense_bf16_flops if dense_bf16_flops is None else float(dense_bf16_flops),
+        hbm_bandwidth_bytes_per_s=(base.hbm_bandwidth_bytes_per_s if hbm_bandwidth_bytes_per_s is None
+                                   else float(hbm_bandwidth_bytes_per_s)),
+        attention_efficiency=(base.attention_efficiency if attention_efficiency is None
+                              else attention_efficiency))
 
 
 # -- model shapes and the roofline step model -----------------------------------------------------------

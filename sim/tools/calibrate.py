@@ -587,7 +587,7 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
     cost_shape = spec.model.cost_shape
     assert cost_shape is not None
     return roofline_step_model(
-        GPU_PROFILES[spec.hardware.gpu], cost_shape, spec.layout.groups,
+        spec.hardware.gpu_profile, cost_shape, spec.layout.groups,
         param_groups=[group_spec(g, 1) for g in spec.model.cost_groups],
         tensor_parallel=spec.scenario.costs.tensor_parallel, mfu=min(1.0, v["mfu"]), mbu=min(1.0, v["mbu"]),
         host=dataclasses.replace(spec.hardware.host(), step_s=v["host_step_s"],
@@ -595,13 +595,13 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:
-    g = GPU_PROFILES[spec.hardware.gpu]
+    g = spec.hardware.gpu_profile
     return np.array([v["host_step_s"], v["host_per_request_s"], 1.0 / (g.dense_bf16_flops * v["mfu"]),
                      1.0 / (g.hbm_bandwidth_bytes_per_s * v["mbu"])])
 
 
 def _from_unknowns(spec: RunSpec, x: np.ndarray) -> dict[str, float]:
-    g = GPU_PROFILES[spec.hardware.gpu]
+    g = spec.hardware.gpu_profile
     return {"host_step_s": float(x[0]), "host_per_request_s": float(x[1]),
             "mfu": float(1.0 / (g.dense_bf16_flops * x[2])),
             "mbu": float(1.0 / (g.hbm_bandwidth_bytes_per_s * x[3]))}
@@ -706,7 +706,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         InputError: a successful request with a TTFT of 0.
     """
     hw = spec.hardware
-    g = GPU_PROFILES[hw.gpu]
+    g = hw.gpu_profile
     # the fit models the matmuls with one constant efficiency: the scenario's, else the
     # profile's large-step figure (the last point of its measured curve), else the default
     mfu = hw.mfu if hw.mfu is not None else g.large_step_mfu
@@ -924,6 +924,15 @@ def hardware_profile(spec: RunSpec, fit: RunFit, name: str, results: str, comman
         f"hbm_bytes = {hw.hbm_bytes}",
         f"gpu_memory_utilization = {hw.gpu_memory_utilization!r}",
     ]
+    g, shipped = hw.gpu_profile, GPU_PROFILES.get(hw.gpu)
+    # a GPU not shipped, or one whose figures the profile replaced: its figures travel with the file
+    if shipped is None or g.dense_bf16_flops != shipped.dense_bf16_flops:
+        lines.append(f"dense_bf16_flops = {g.dense_bf16_flops!r}")
+    if shipped is None or g.hbm_bandwidth_bytes_per_s != shipped.hbm_bandwidth_bytes_per_s:
+        lines.append(f"hbm_bandwidth = {round(g.hbm_bandwidth_bytes_per_s)}")
+    if g.attention_efficiency is not None and (shipped is None
+                                               or g.attention_efficiency != shipped.attention_efficiency):
+        lines.append(f"attention_efficiency = {g.attention_efficiency!r}")
     if hw.cpu_ram_bytes is not None:
         lines.append(f"cpu_ram_bytes = {hw.cpu_ram_bytes}")
     if hw.gpus_per_node is not None:

@@ -61,7 +61,7 @@ from sim.errors import InputError
 from sim.io.scenario import build_run, located
 from sim.io.schema import Strict
 from sim.io.workload import Request, chain_hash
-from sim.model.costs import GPU_PROFILES, RooflineStepModel
+from sim.model.costs import RooflineStepModel
 
 __all__ = ["CaseResult", "PublishedCase", "ValidationFile", "load_cases", "replay", "throughput", "ttft_pair"]
 
@@ -228,7 +228,7 @@ def _spec(case: PublishedCase, base: Path, mfu: float | None = None) -> Any:
     step = spec.step_cost
     if not isinstance(step, RooflineStepModel):
         raise ValueError(f"case {case.id}: mfu applies to the roofline step model only")
-    peak = GPU_PROFILES[spec.hardware.gpu].dense_bf16_flops
+    peak = spec.hardware.gpu_profile.dense_bf16_flops
     scaled = dataclasses.replace(step, flops_per_s=peak * mfu, token_rate_curve=())
     return dataclasses.replace(spec, step_cost=scaled)
 

@@ -24,6 +24,9 @@ from sim.io.scenario import (
 from sim.io.validate import validate_file
 from sim.io.workload import MultiTurnParams
 from sim.model.costs import (
+    DEFAULT_ATTENTION_EFFICIENCY,
+    DEFAULT_MBU,
+    DEFAULT_MFU,
     GPU_PROFILES,
     ZERO_STEP,
     ZERO_TRANSFER,
@@ -663,6 +666,80 @@ def test_a_hardware_file_without_the_new_keys_takes_its_gpus_figures(tmp_path: P
     assert isinstance(spec.step_cost, RooflineStepModel) and spec.step_cost.host == h200.host
 
 
+
+def _gpu_file(tmp_path: Path, gpu: str, extra: str = "") -> Path:
+    """The shipped h100 profile as a file for ``gpu`` (its figures given by ``extra``)."""
+    hw = (scenarios_dir() / "hardware" / "h100.toml").read_text().replace('gpu = "h100"', f'gpu = "{gpu}"')
+    return write(tmp_path, hw + extra, "gpu.toml")
+
+
+def test_a_hardware_file_describes_a_gpu_not_shipped(tmp_path: Path):
+    """A GPU kvsim does not ship is described by its peak and HBM bandwidth: the step model
+    is then the roofline of those figures, at the default matmul and attention efficiencies."""
+    _gpu_file(tmp_path, "a10g-like", 'dense_bf16_flops = 125e12\nhbm_bandwidth = "600GB/s"\n')
+    spec = load_run(write(tmp_path, LLAMA8.replace('profile = "h100"', 'profile = "gpu.toml"')))
+    g = spec.hardware.gpu_profile
+    assert (g.name, g.dense_bf16_flops, g.hbm_bandwidth_bytes_per_s) == ("a10g-like", 125e12, 600e9)
+    assert g.matmul_efficiency == () and g.attention_efficiency is None
+    assert str(tmp_path / "gpu.toml") in g.sources[0]
+    step = spec.step_cost
+    assert isinstance(step, RooflineStepModel)
+    assert step.flops_per_s == pytest.approx(125e12 * DEFAULT_MFU)
+    assert step.bytes_per_s == pytest.approx(600e9 * DEFAULT_MBU)
+    assert step.token_rate_curve == ()
+    assert step.pair_flops_per_s == pytest.approx((125e12 * DEFAULT_ATTENTION_EFFICIENCY,))
+    # the same figures under the shipped name, with the same constant efficiency: the same model
+    h100 = load_run(write(tmp_path, LLAMA8), ["hardware.mfu=0.5"]).step_cost
+    assert isinstance(h100, RooflineStepModel)
+    ratio = step.flops_per_s / h100.flops_per_s
+    assert ratio == pytest.approx(125 / 989)
+    assert (step.token_flops, step.pair_flops, step.weight_bytes) == (
+        h100.token_flops, h100.pair_flops, h100.weight_bytes)
+
+
+def test_a_hardware_file_can_replace_a_shipped_gpus_figures(tmp_path: Path):
+    _gpu_file(tmp_path, "h100", "dense_bf16_flops = 494.5e12\nattention_efficiency = 0.31\n")
+    spec = load_run(write(tmp_path, LLAMA8.replace('profile = "h100"', 'profile = "gpu.toml"')))
+    shipped = load_run(write(tmp_path, LLAMA8))
+    step, base = spec.step_cost, shipped.step_cost
+    assert isinstance(step, RooflineStepModel) and isinstance(base, RooflineStepModel)
+    # the measured curve (a fraction of peak) now applies to half the peak; attention at 0.31 of it
+    assert step.flops_per_s == pytest.approx(base.flops_per_s / 2)
+    assert [r for _, r in step.token_rate_curve] == pytest.approx([r / 2 for _, r in base.token_rate_curve])
+    assert step.pair_flops_per_s == pytest.approx((494.5e12 * 0.31,))
+    assert step.bytes_per_s == base.bytes_per_s
+    assert spec.hardware.gpu_profile.sources[1:] == GPU_PROFILES["h100"].sources
+
+
+@pytest.mark.parametrize(("extra", "problem"), [
+    ("", "no dense_bf16_flops or hbm_bandwidth"),
+    ("dense_bf16_flops = 1e14\n", "no hbm_bandwidth"),
+    ('hbm_bandwidth = "1TB/s"\n', "no dense_bf16_flops"),
+])
+def test_a_gpu_not_shipped_without_its_figures_is_one_line(tmp_path: Path, extra: str, problem: str):
+    path = _gpu_file(tmp_path, "mystery", extra)
+    with pytest.raises(InputError) as info:
+        validate_file(path)
+    err = info.value
+    assert err.key == "gpu" and err.problem.endswith(problem) and "h100" in err.allowed
+    assert "\n" not in str(err)
+    run = write(tmp_path, LLAMA8.replace('profile = "h100"', 'profile = "gpu.toml"'))
+    assert error_of(run).key == "gpu"
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ("dense_bf16_flops = 0\nhbm_bandwidth = \"1TB/s\"\n", "dense_bf16_flops"),
+    ("dense_bf16_flops = inf\nhbm_bandwidth = \"1TB/s\"\n", "dense_bf16_flops"),
+    ("dense_bf16_flops = 1e14\nhbm_bandwidth = \"fast\"\n", "hbm_bandwidth"),
+    ("dense_bf16_flops = 1e14\nhbm_bandwidth = \"1TB/s\"\nattention_efficiency = 1.2\n",
+     "attention_efficiency"),
+])
+def test_bad_gpu_figures_are_one_line(tmp_path: Path, extra: str, key: str):
+    with pytest.raises(InputError) as info:
+        validate_file(_gpu_file(tmp_path, "mystery", extra))
+    assert info.value.key == key and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(("extra", "key", "allowed"), [
     ("[hardware]\nh2d_duplex_factor = 1.5\n", "hardware.h2d_duplex_factor", "1"),
     ("[hardware]\nd2h_duplex_factor = 0\n", "hardware.d2h_duplex_factor", "0"),
@@ -739,3 +816,12 @@ def test_stop_at_waiting_reaches_the_engine_and_refuses_what_is_not_a_positive_c
     for bad, allowed in (("0", "greater than or equal to 1"), ("'many'", "a valid integer")):
         with pytest.raises(InputError, match=f"output.stop_at_waiting.*{allowed}"):
             load_run(p, [f"output.stop_at_waiting={bad}"])
+
+
+def test_the_documented_gpu_not_shipped_validates(tmp_path: Path):
+    """docs/costs.md's example of a GPU kvsim does not ship is a valid hardware/1 file."""
+    text = (ROOT / "docs" / "costs.md").read_text()
+    section = text.split("### A GPU kvsim does not ship", 1)[1]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    described = validate_file(write(tmp_path, example, "a10g.toml"))
+    assert described.startswith("hardware/1: my-a10g (gpu a10g: 125 TFLOPS, 0.6 TB/s)")

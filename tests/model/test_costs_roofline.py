@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from sim.io.scenario import group_spec, load_model_file, load_run, scenarios_dir, step_model_for
 from sim.model.costs import (
+    AMPERE_MATMUL_EFFICIENCY,
     DEFAULT_MFU,
     GPU_PROFILES,
     HOPPER_MATMUL_EFFICIENCY,
@@ -393,6 +394,11 @@ def test_hopper_curve_is_what_the_measured_rows_give() -> None:
     # the measured shape: small steps reach less of the peak than large ones
     effs = [e for _, e in HOPPER_MATMUL_EFFICIENCY]
     assert effs == sorted(effs) and effs[0] < 0.5 < effs[-1]
+    # the A100's rows, the same way over its own peak: flatter (its peak is a third of the H100's)
+    assert mod.window_points("a100") == AMPERE_MATMUL_EFFICIENCY == GPU_PROFILES["a100"].matmul_efficiency
+    assert GPU_PROFILES["a100"].dense_bf16_flops == mod.A100_PEAK
+    amp = [e for _, e in AMPERE_MATMUL_EFFICIENCY]
+    assert max(amp) - min(amp) < 0.05 < effs[-1] - effs[0]
 
 
 def test_token_rate_interpolates_between_points_and_is_flat_outside() -> None:

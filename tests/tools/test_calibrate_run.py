@@ -284,3 +284,31 @@ def test_a_scenario_the_fit_cannot_replay_is_one_line(world: dict[str, Any], tmp
     assert code == 2 and err.count("\n") == 1, err
     assert f"scenario.toml:{key}:" in err or f"--set:{key}" in err, err
     assert not profile.exists()
+
+
+def test_a_gpu_not_shipped_is_fitted_against_its_own_peak_and_keeps_its_figures(tmp_path: Path):
+    """A profile for a GPU kvsim does not ship (its peak and HBM bandwidth in the file): the fit's
+    efficiency is a fraction of that peak, and the written profile carries the figures, so a
+    scenario can name it."""
+    hw = (Path(__file__).resolve().parents[2] / "scenarios" / "hardware" / "h100.toml").read_text()
+    (tmp_path / "mine.toml").write_text(hw.replace('gpu = "h100"', 'gpu = "l40s-like"')
+                                        + 'dense_bf16_flops = 362e12\nhbm_bandwidth = "864GB/s"\n')
+    write_trace(tmp_path / "trace.jsonl", n=24, seed=3)
+    (tmp_path / "scenario.toml").write_text(SCENARIO.replace('profile = "h100"', 'profile = "mine.toml"'))
+    truth = load_run(tmp_path / "scenario.toml", ["hardware.mfu=0.6"])
+    assert truth.hardware.gpu_profile.dense_bf16_flops == 362e12
+    result, _ = synthetic_run(truth, noise=0.0, seed=1)
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    code, _, err = run_cli(["calibrate", "--from-run", str(tmp_path / "results.json"), "--scenario",
+                            str(tmp_path / "scenario.toml"), "--fit", "mfu",
+                            "--out", str(tmp_path / "fit.toml")])
+    assert code == 0, err
+    fitted = tomllib.loads((tmp_path / "fit.toml").read_text())
+    assert fitted["gpu"] == "l40s-like"
+    assert (fitted["dense_bf16_flops"], fitted["hbm_bandwidth"]) == (362e12, 864_000_000_000)
+    assert abs(fitted["mfu"] - 0.6) <= TOLERANCE["mfu"] * 0.6
+    spec = load_run(tmp_path / "scenario.toml", ['hardware.profile="fit.toml"'])
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost.flops_per_s == pytest.approx(362e12 * fitted["mfu"])
+    code, out, _ = run_cli(["validate", str(tmp_path / "fit.toml")])
+    assert code == 0 and "gpu l40s-like: 362 TFLOPS, 0.864 TB/s" in out
