@@ -57,8 +57,10 @@ What it models
     its rate (the engine's links apply it, :mod:`sim.engine.links`).
 
     *Published figures.* :data:`GPU_PROFILES` holds datasheet figures of the
-    H100 SXM and H200 SXM, the host link's measured-style figures and the
-    engine's host overhead per step. The models' shapes live in the model
+    H100 SXM, H200 SXM, H20, A100 SXM and L40S, the host links' measured-style
+    figures (PCIe Gen5 and Gen4) and the engine's host overhead per step; a
+    GPU not listed gets its peak and HBM bandwidth from its ``hardware/1``
+    file (:func:`gpu_profile`). The models' shapes live in the model
     files (``scenarios/models/*.toml``), not here. Every figure, its source and
     the derivation are in ``docs/costs.md``.
 
@@ -880,7 +882,6 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         ),
     ),
 }
-
 
 
 def gpu_profile(name: str, *, hbm_bytes: int, dense_bf16_flops: float | None = None,
