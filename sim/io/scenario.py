@@ -213,6 +213,7 @@ from sim.model.costs import (
     TransferPiece,
     gpu_profile,
     roofline_step_model,
+    with_figures,
 )
 from sim.model.cpu_cache import EvictionPolicy, capacity_from_bytes, slot_bytes
 from sim.model.layout import DTYPE_BYTES, GroupSpec, KVShape, Layout, LayoutError
@@ -547,6 +548,9 @@ class HardwareSection(Strict):
     host_no_forward_step_s: float | None = Field(default=None, ge=0, le=1)
     mfu: float | None = Field(default=None, gt=0, le=1)
     mbu: float | None = Field(default=None, gt=0, le=1)
+    dense_bf16_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    hbm_bandwidth: Bandwidth | None = Field(default=None, gt=0)
+    attention_efficiency: float | None = Field(default=None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _pool(self) -> HardwareSection:
@@ -1406,6 +1410,9 @@ def _resolve_hardware(sec: HardwareSection, base: Path, source: str) -> Resolved
         profile = p
     hw = load_hardware_file(path)
     g = hardware_gpu(hw, str(path))
+    # a run may replace the GPU's figures too (a what-if: the same GPU, faster)
+    g = with_figures(g, dense_bf16_flops=sec.dense_bf16_flops, hbm_bandwidth_bytes_per_s=sec.hbm_bandwidth,
+                     attention_efficiency=sec.attention_efficiency, source=f"{source}: [hardware]")
 
     def pick(over: Any, default: Any) -> Any:
         return default if over is None else over
@@ -1643,6 +1650,9 @@ class RunSpec:
             hardware["mfu"] = hw.mfu
         if hw.mbu != DEFAULT_MBU:
             hardware["mbu"] = hw.mbu
+        for key in ("dense_bf16_flops", "hbm_bandwidth", "attention_efficiency"):
+            if getattr(sc.hardware, key) is not None:   # set by the run: kept (else the profile's)
+                hardware[key] = getattr(sc.hardware, key)
         out["hardware"] = hardware
         out["cpu_cache"] = sc.cpu_cache.model_dump(exclude_none=True)
         if sc.tiers:

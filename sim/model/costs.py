@@ -152,6 +152,7 @@ __all__ = [
     "pieces_per_block",
     "prompt_blocks",
     "roofline_step_model",
+    "with_figures",
 ]
 
 #: Default model-FLOP utilisation of the matmuls on a GPU with no measured curve (attention: below;
@@ -919,13 +920,24 @@ def gpu_profile(name: str, *, hbm_bytes: int, dense_bf16_flops: float | None = N
             sources=(f"{given}: peak, HBM bandwidth" + (", attention efficiency" if attention_efficiency
                                                        is not None else ""),
                      *_PCIE_SOURCES, *_HOST_SOURCES))
+    return with_figures(base, dense_bf16_flops=dense_bf16_flops,
+                        hbm_bandwidth_bytes_per_s=hbm_bandwidth_bytes_per_s,
+                        attention_efficiency=attention_efficiency, source=given)
+
+
+def with_figures(base: GpuProfile, *, dense_bf16_flops: float | None = None,
+                 hbm_bandwidth_bytes_per_s: float | None = None, attention_efficiency: float | None = None,
+                 source: str = "") -> GpuProfile:
+    """``base`` with the figures given (None: kept) replaced, and ``source`` (where they
+    come from) recorded first in its ``sources``; ``base`` itself when none is given.
+    Its measured matmul curve, a fraction of peak, then applies to the new peak."""
     changed = [k for k, v in (("dense_bf16_flops", dense_bf16_flops),
                               ("hbm_bandwidth_bytes_per_s", hbm_bandwidth_bytes_per_s),
                               ("attention_efficiency", attention_efficiency)) if v is not None]
     if not changed:
         return base
     return dataclasses.replace(
-        base, sources=(f"{given}: {', '.join(changed)}", *base.sources),
+        base, sources=(f"{source or 'given'}: {', '.join(changed)}", *base.sources),
         dense_bf16_flops=base.dense_bf16_flops if dense_bf16_flops is None else float(dense_bf16_flops),
         hbm_bandwidth_bytes_per_s=(base.hbm_bandwidth_bytes_per_s if hbm_bandwidth_bytes_per_s is None
                                    else float(hbm_bandwidth_bytes_per_s)),

@@ -825,3 +825,25 @@ def test_the_documented_gpu_not_shipped_validates(tmp_path: Path):
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     described = validate_file(write(tmp_path, example, "a10g.toml"))
     assert described.startswith("hardware/1: my-a10g (gpu a10g: 125 TFLOPS, 0.6 TB/s)")
+
+
+def test_a_run_can_replace_the_gpus_figures_for_a_what_if(tmp_path: Path):
+    """[hardware] takes the GPU's figures too (a sweep over a faster GPU), and the resolved
+    scenario keeps them, so it loads back to the same step model."""
+    base = load_run(write(tmp_path, LLAMA8))
+    over = ["hardware.dense_bf16_flops=1978e12", 'hardware.hbm_bandwidth="6.7TB/s"',
+            "hardware.attention_efficiency=0.7"]
+    spec = load_run(write(tmp_path, LLAMA8), over)
+    step, ref = spec.step_cost, base.step_cost
+    assert isinstance(step, RooflineStepModel) and isinstance(ref, RooflineStepModel)
+    assert step.flops_per_s == pytest.approx(2 * ref.flops_per_s)
+    assert step.bytes_per_s == pytest.approx(ref.bytes_per_s * 6.7 / 3.35)
+    assert step.pair_flops_per_s == pytest.approx((1978e12 * 0.7,))
+    assert spec.hardware.gpu_profile.sources[0].endswith("[hardware]: dense_bf16_flops, "
+                                                         "hbm_bandwidth_bytes_per_s, attention_efficiency")
+    _round_trip(tmp_path, write(tmp_path, LLAMA8, "llama.toml"), over)
+    resolved = tomllib.loads(spec.resolved_toml())["hardware"]
+    assert (resolved["dense_bf16_flops"], resolved["hbm_bandwidth"]) == (1978e12, 6_700_000_000_000)
+    assert "dense_bf16_flops" not in tomllib.loads(base.resolved_toml())["hardware"]
+    bad = error_of(write(tmp_path, LLAMA8), ["hardware.dense_bf16_flops=-1"])
+    assert bad.key == "hardware.dense_bf16_flops"
