@@ -20,8 +20,9 @@ import argparse
 import dataclasses
 import sys
 
+from sim.errors import InputError
 from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
-from sim.model.costs import StepLoad, attention_pairs, chunked_prefill_time, group_span
+from sim.model.costs import GPU_PROFILES, StepLoad, attention_pairs, chunked_prefill_time, group_span
 from sim.model.layout import Layout
 
 PROMPTS = (1_000, 2_000, 4_000, 8_192, 16_384, 32_768, 65_536, 90_000, 131_072)
@@ -43,14 +44,19 @@ def attention_share(model: object, layout: Layout, prompt: int, budget: int) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a shipped model file with a [shape]")
-    ap.add_argument("--gpu", default="h100", help="a GPU profile (h100, h200, h20)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(GPU_PROFILES), help="a shipped GPU profile")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     args = ap.parse_args(argv)
-    mf = load_model_file(scenarios_dir() / "models" / f"{args.model}.toml")
-    tph = 16 if all(g.tokens_per_block % 16 == 0 for g in mf.groups) else 8
-    layout = Layout.of([group_spec(g, args.tp) for g in mf.groups], tph, 1)
-    model = step_model_for(args.gpu, args.model, tensor_parallel=args.tp, tokens_per_hash=tph)
+    if args.tp < 1 or args.budget < 1:
+        ap.error("--tp and --budget: positive integers")
+    try:
+        mf = load_model_file(scenarios_dir() / "models" / f"{args.model}.toml")
+        tph = 16 if all(g.tokens_per_block % 16 == 0 for g in mf.groups) else 8
+        layout = Layout.of([group_spec(g, args.tp) for g in mf.groups], tph, 1)
+        model = step_model_for(args.gpu, args.model, tensor_parallel=args.tp, tokens_per_hash=tph)
+    except InputError as exc:   # no such model, or one without a [shape]
+        ap.error(f"--model: {exc}")
     linear = dataclasses.replace(model, pair_flops=tuple(0.0 for _ in model.pair_flops))
     print(f"# prefill curve: model {args.model}, GPU {args.gpu}, tensor_parallel {args.tp}, "
           f"max_num_batched_tokens {args.budget}")
