@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
-from sim.model.costs import RooflineStepModel, chunked_prefill_time
+from sim.model.costs import GPU_PROFILES, RooflineStepModel, chunked_prefill_time
 from sim.model.layout import Layout
 from sim.model.scheduler import AttendedContext
 
@@ -52,7 +52,7 @@ def row(name: str, tp: int, gpu: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", action="append", choices=["h100", "h200", "h20"],
+    ap.add_argument("--gpu", action="append", choices=sorted(GPU_PROFILES),
                     help="GPU profile(s) (default: h100 and h200)")
     args = ap.parse_args()
     gpus = args.gpu or ["h100", "h200"]
