@@ -746,11 +746,16 @@ def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _ms(value: Any) -> str:
-    """A duration: in ms below 10 s, in s from 10 s on (as the figures)."""
+def duration_text(value: Any, *, seconds: bool | None = None) -> str:
+    """A duration given in seconds, as kvsim prints it: in ms below 10 s, in s from 10 s on
+    (``seconds`` forces either unit, for a column that keeps one); ``-`` for None."""
     if value is None:
         return "-"
-    return f"{value:.2f} s" if value >= 10 else f"{1000 * value:.1f} ms"
+    in_s = value >= 10 if seconds is None else seconds
+    return f"{value:.2f} s" if in_s else f"{1000 * value:.1f} ms"
+
+
+_ms = duration_text
 
 
 def _load_text(load: dict[str, Any] | None) -> str:

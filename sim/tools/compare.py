@@ -97,6 +97,7 @@ from sim.io.results import (
     RunWriter,
     clean_floats,
     clean_leftovers,
+    duration_text,
     load_results,
     make_folder,
     move_into_place,
@@ -767,7 +768,8 @@ def load_compare(path: str | Path) -> CompareResult:
 
 
 def _ms(v: Any) -> str:
-    return "-" if v is None else f"{1000 * v:.1f} ms"
+    """A duration as ``kvsim run`` prints it (ms below 10 s, s from 10 s on)."""
+    return duration_text(v)
 
 
 def _kinds(d: dict[str, Any]) -> str:
@@ -911,13 +913,13 @@ def markdown_report(figures: dict[str, Any]) -> str:
     for first, other, d, file in pairs:
         if len(pairs) > 1:
             out += ["", f"### {first.upper()} vs {other.upper()}"]
-        out += ["", f"{d['count']} of {d['requests']} requests have a different outcome "
-                    f"(status, crash, CPU hit or reload, computed tokens, deferrals, first token or finish "
-                    f"time); all of them in `{file}`."]
+        out += ["", f"{d['count']} of {d['requests']} requests differ (status, crash, CPU hit or reload, "
+                    f"computed tokens, deferrals, first token or finish time); all of them in `{file}`."]
         if d["count"] and "outcome" in d:
-            out += ["", f"{d['outcome']} differ in outcome (crash, status, CPU hit or reload, deferrals, "
-                        f"computed tokens) and {d['timing_only']} in timing only (a knock-on effect of the "
-                        f"others on the shared engine); the table lists outcome differences first."]
+            out += ["", f"Of these, {d['outcome']} differ in outcome (crash, status, CPU hit or reload, "
+                        f"deferrals, computed tokens) and {d['timing_only']} in timing only (a knock-on "
+                        f"effect of the others on the shared engine); the table lists outcome differences "
+                        f"first."]
         if d["first"]:
             shown = "" if d["count"] <= len(d["first"]) else \
                 f" (the first {len(d['first'])}: outcome differences first, each part by arrival)"

@@ -119,6 +119,7 @@ from sim.io.results import (
     arrow_schema,
     clean_leftovers,
     concat_frames,
+    duration_text,
     load_results,
     make_folder,
     out_error,
@@ -573,6 +574,42 @@ def import_ray() -> Any:
     return ray
 
 
+#: Ray's logger of its token-authentication setup (Ray >= 2.5x)
+_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet_token_setup() -> Any:
+    """Ray's "token authentication is enabled" notice, printed when a sweep starts its own local
+    instance (which kvsim owns and stops), is not for the user: silenced while joining."""
+    log = logging.getLogger(_RAY_TOKEN_LOGGER)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _token_auth_if_token() -> None:
+    """Send Ray's authentication token when joining a cluster, as ``ray start`` uses it.
+
+    With ``RAY_AUTH_MODE`` unset, ``ray start --head`` turns token authentication on
+    whenever a token exists (``~/.ray/auth_token``, written by any earlier local
+    ``ray.init()``, a sweep's own local instance included), but a client joining by
+    address does not send it, and the join fails. Ray's own rule for ``ray start`` is
+    applied to the client too: an explicit ``RAY_AUTH_MODE`` wins, and a token-mode client
+    also joins a cluster without authentication. Ray versions without token
+    authentication have nothing to do."""
+    try:
+        from ray._private.authentication import authentication_token_setup as setup  # noqa: PLC0415
+    except ImportError:   # a Ray without token authentication
+        return
+    enable = getattr(setup, "maybe_enable_token_auth_if_token_available", None)
+    if enable is not None:
+        enable(warn_if_disabled=False)
+
+
 def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: str | None,
              done: Callable[[dict[str, Any]], None]) -> None:
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
@@ -586,7 +623,10 @@ def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: s
     owned = not ray.is_initialized()  # a caller's own ray.init() session is used and left running
     if owned:
         try:
-            ray.init(**kwargs)
+            with _quiet_token_setup():
+                if address is not None:
+                    _token_auth_if_token()
+                ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise InputError("argument", "--address", f"cannot join the Ray cluster {address!r}: {exc}",
                              "the address printed by `ray start --head`, e.g. 127.0.0.1:6379") from None
@@ -749,6 +789,9 @@ def sweep_table(sweep: Sweep, report: SweepReport) -> str:
     rejected requests, CPU hit rate, TTFT p50 (of served requests)."""
     head = ["point", *sweep.swept, "status", "load", "rejected", "cpu hit", "ttft p50"]
     rows = [head]
+    p50s = [((s.get("ttft_s") or {}).get("p50") if s and s.get("status") == "ok" else None)
+            for s in (report.summaries.get(pt.index) for pt in sweep.points)]
+    in_s = any(v is not None and v >= 10 for v in p50s)   # one unit for the whole column
     for pt in sweep.points:
         s = report.summaries.get(pt.index)
         load = rejected = hit = ttft = "-"
@@ -764,7 +807,7 @@ def sweep_table(sweep: Sweep, report: SweepReport) -> str:
                 load = "OVERLOADED" if s["overloaded"] else "stable"
             rejected = str((s.get("requests") or {}).get("rejected", "-"))
             hit = "-" if rate is None else f"{100 * rate:.1f}%"
-            ttft = "-" if p50 is None else (f"{p50:.2f} s" if p50 >= 10 else f"{1000 * p50:.1f} ms")
+            ttft = duration_text(p50, seconds=in_s)
         values = (cell_text(pt.values.get(k, "")) for k in sweep.swept)
         rows.append([str(pt.index), *values, status, load, rejected, hit, ttft])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

@@ -381,6 +381,38 @@ def ray_head() -> Iterator[str]:
 
 
 @pytest.mark.slow
+def test_ray_joins_a_cluster_that_uses_the_token_of_an_earlier_local_ray(local12: Path, tmp_path: Path):
+    """Ray >= 2.5x: once any local ``ray.init()`` (a sweep's own instance included) has
+    written ``~/.ray/auth_token``, ``ray start --head`` turns token authentication on; the
+    sweep must join it with that token (it failed to: "Authentication token is missing").
+    Both processes run with their own HOME holding a token, and no RAY_AUTH_MODE."""
+    pytest.importorskip("ray")
+    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    assert ray_bin is not None
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("kvsim-test-" + os.urandom(16).hex())
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env |= {"HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    port, temp = _free_port(), Path(f"/tmp/kvsim-ray-{os.getpid()}-token")   # a short path: Ray's sockets
+    started = subprocess.run([ray_bin, "start", "--head", "--num-cpus", "2", "--port", str(port),
+                              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                             capture_output=True, text=True, env=env, timeout=120, check=False)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        out = tmp_path / "sweep"
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(CPU12), "--backend", "ray",
+                               "--address", f"127.0.0.1:{port}", "--out", str(out), "-q", *SMALL],
+                              capture_output=True, text=True, env=env, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Token authentication" not in done.stderr
+        assert (out / "sweep.parquet").read_bytes() == (local12 / "sweep.parquet").read_bytes()
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120, check=False)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_ray_backend_equals_local(local12: Path, ray_head: str, tmp_path: Path):
     out = tmp_path / "ray"
     assert main(["sweep", str(CPU12), "--backend", "ray", "--address", ray_head, "--out", str(out), "-q",
