@@ -9,6 +9,7 @@ chunks, no GPU prefix cache, zero compute and transfer time, LRU.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -22,7 +23,14 @@ from tests.tools.test_mooncake_lru import CAPACITIES, engine_lru_hit_ratio, refe
 def main() -> None:
     shared = Path(__file__).resolve().parents[2] / "shared" / "traces"
     default = Path(os.environ.get("KVSIM_TRACES") or shared)
-    traces = Path(sys.argv[1]) if len(sys.argv) > 1 else default
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="?", type=Path, default=default,
+                    help="the folder of conversation_trace.jsonl and README.md (default: $KVSIM_TRACES or "
+                         "../shared/traces)")
+    traces = ap.parse_args().traces
+    for name in ("README.md", "conversation_trace.jsonl"):
+        if not (traces / name).is_file():
+            ap.error(f"{traces}: no {name} there (the folder of the Mooncake traces and their README)")
     ref = reference_row(traces / "README.md")
     print("| capacity (chunks) | exact LRU (README) | kvsim engine | difference (pp) | wall s |")
     print("|---:|---:|---:|---:|---:|")

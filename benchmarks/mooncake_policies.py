@@ -12,6 +12,7 @@ the block-weighted one (the README's unit) per capacity and policy.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -27,11 +28,20 @@ POLICIES = ("lru", "arc", "belady")
 
 def main() -> None:
     shared = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("args", nargs="*", metavar="[TRACES_DIR] [CAPACITY ...]",
+                    help="the folder of conversation_trace.jsonl and README.md (default: $KVSIM_TRACES or "
+                         "../shared/traces), then capacities in chunks (default: the README's)")
+    args = ap.parse_args().args
     traces = Path(os.environ.get("KVSIM_TRACES") or shared)
-    args = sys.argv[1:]
     if args and not args[0].isdigit():
         traces = Path(args.pop(0))
+    if not all(a.isdigit() and int(a) > 0 for a in args):
+        ap.error(f"capacities: positive integers (chunks), got {' '.join(args)}")
     caps = tuple(int(a) for a in args) or CAPACITIES
+    for name in ("README.md", "conversation_trace.jsonl"):
+        if not (traces / name).is_file():
+            ap.error(f"{traces}: no {name} there (the folder of the Mooncake traces and their README)")
     ref = reference_row(traces / "README.md")
     trace = traces / "conversation_trace.jsonl"
     print(f"trace {trace}; 1 full group, 512-token chunks, no GPU prefix cache, zero time, 8192 tokens/step")

@@ -8,9 +8,10 @@ rate (tokens/s over the same batch without hits), and the gain of a release's
 KV layout over an earlier one (the largest ratio over a grid, "up to"). The table gives the published
 figure, kvsim's, the relative error (kvsim / published - 1) and whether it is
 within 25 %; the detail lines give the two figures each ratio is made of.
-``--mfu X`` replays with the matmuls at X of peak instead of the model's default
-(0.5, an assumption of docs/costs.md; attention keeps its own 0.62): a sensitivity
-diagnostic, printed as such, never a calibration. Deterministic; about two minutes.
+``--mfu X`` replays with the matmuls at X of peak, one constant for every step, instead of
+the GPU's default (the measured curve by step size on the H100, H200 and A100, else 0.5;
+docs/costs.md; attention keeps its own efficiency): a sensitivity diagnostic, printed as
+such, never a calibration. Deterministic; about two minutes.
 
 ``--curves`` adds kvsim's whole curves over each source's measured grid (prompt
 sizes, hit rates), for reading against the published plots.
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None,
                     help="shrink every throughput batch to this many requests (default: the published size)")
     ap.add_argument("--mfu", type=float, default=None,
-                    help="what-if: fraction of dense BF16 peak the matmuls reach (default: the model's 0.5)")
+                    help="what-if: fraction of dense BF16 peak the matmuls reach in every step (default: "
+                         "the GPU's measured curve by step size, else 0.5)")
     ap.add_argument("--curves", action="store_true",
                     help="also print kvsim's whole curves over each source's measured grid")
     args = ap.parse_args(argv)

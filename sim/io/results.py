@@ -494,6 +494,15 @@ class RunResults:
     #: last and optional, so that a RunResults built by hand without it still works
     tiers: Any = None
 
+    def __repr__(self) -> str:
+        """One line a notebook can show: the folder, the run's status and the tables' sizes
+        (the dataclass's own repr printed every table and the whole summary)."""
+        rows = ", ".join(f"{name} {len(t):,}" for name in ("requests", "steps", "transfers", "occupancy",
+                                                            "events", "tiers")
+                         if (t := getattr(self, name)) is not None and hasattr(t, "__len__"))
+        status = self.summary.get("status", "?")
+        return f"RunResults({str(self.path)!r}, status {status!r}; rows: {rows})"
+
 
 def load_results(path: str | Path) -> RunResults:
     """Read a run folder written by ``kvsim run``.

@@ -897,9 +897,9 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
             else:
                 groups.add(rec.prefix_group)
     if not inputs:
-        raise InputError(str(path), "", "no valid request in the trace"
-                         + (f" ({bad.count} bad lines skipped)" if bad.count else ""),
-                         "a trace with at least one request")
+        why = (f"every line was bad: {bad.count} bad line{'s' if bad.count != 1 else ''} skipped by "
+               "--skip-bad" if bad.count else "the file has no request line")
+        raise InputError(str(path), "", f"no requests ({why})", "a trace with at least one request")
     duration = last - first
     hashed: dict[str, Any] | None = None
     if blocks:

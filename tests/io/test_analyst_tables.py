@@ -233,3 +233,13 @@ def test_export_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a results folder" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_read_back_shows_as_one_short_line(runs: list[Path]):
+    """In a notebook, ``sim.load_results(folder)`` echoes the folder, status and table sizes,
+    not every table and the whole summary."""
+    r = sim.load_results(runs[0])
+    text = repr(r)
+    assert "\n" not in text and len(text) < 300
+    assert text.startswith(f"RunResults({str(runs[0])!r}, status 'ok'; rows: requests {len(r.requests):,}")
+    assert f"steps {len(r.steps):,}" in text

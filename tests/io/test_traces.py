@@ -342,7 +342,7 @@ def test_skip_bad_examples_capped_and_all_bad(tmp_path: Path, capsys: pytest.Cap
     bad = BadLines()
     assert list(iter_records(p, skip_bad=True, bad=bad)) == []
     assert bad.count == 12 and len(bad.examples) == BadLines.max_examples
-    assert_cli_error(capsys, ["trace", "stats", "--skip-bad", str(p)], f"{p}: no valid request",
+    assert_cli_error(capsys, ["trace", "stats", "--skip-bad", str(p)], f"{p}: no requests",
                      "12 bad lines skipped")
 
 
