@@ -435,7 +435,9 @@ def _run_points(sweep: Sweep, out: Path, report: SweepReport, finished: dict[int
             progress(report.ran, len(todo))
 
     try:
-        if ray is not None:
+        if not tasks:   # every point finished earlier: no backend to start (nor a Ray instance)
+            pass
+        elif ray is not None:
             _run_ray(ray, tasks, jobs, address, done)
         elif (jobs or os.cpu_count() or 1) <= 1 or len(tasks) <= 1:
             _run_here(tasks, done)

@@ -456,3 +456,20 @@ def test_points_stopped_at_their_queue_limit_are_told_apart(tmp_path: Path,
     assert len(stopped) >= 1 and stopped["overloaded"].all()
     said = f"{_n(len(stopped), 'point')} of them stopped when their queue reached output.stop_at_waiting"
     assert said in err
+
+
+def test_a_finished_sweep_starts_no_ray_instance(local12: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    """Re-running a finished sweep with --backend ray runs nothing, so it starts no Ray instance."""
+    import sim.tools.sweep as sweep_mod
+
+    pytest.importorskip("ray")
+    out = tmp_path / "again"
+    shutil.copytree(local12, out)
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Ray instance was started for a finished sweep")
+
+    monkeypatch.setattr(sweep_mod, "_run_ray", no_ray)
+    assert main(["sweep", str(CPU12), "--backend", "ray", "--out", str(out), "-q", *SMALL]) == 0
+    assert (out / "sweep.parquet").read_bytes() == (local12 / "sweep.parquet").read_bytes()
