@@ -576,7 +576,7 @@ def import_ray() -> Any:
     return ray
 
 
-#: Ray's logger of its token-authentication setup (Ray >= 2.5x)
+#: Ray's logger of its token-authentication setup (recent Ray, 2.60 here)
 _RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 

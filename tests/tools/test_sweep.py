@@ -382,7 +382,7 @@ def ray_head() -> Iterator[str]:
 
 @pytest.mark.slow
 def test_ray_joins_a_cluster_that_uses_the_token_of_an_earlier_local_ray(local12: Path, tmp_path: Path):
-    """Ray >= 2.5x: once any local ``ray.init()`` (a sweep's own instance included) has
+    """Recent Ray (2.60 here): once any local ``ray.init()`` (a sweep's own instance included) has
     written ``~/.ray/auth_token``, ``ray start --head`` turns token authentication on; the
     sweep must join it with that token (it failed to: "Authentication token is missing").
     Both processes run with their own HOME holding a token, and no RAY_AUTH_MODE."""
