@@ -822,8 +822,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   f"output.stop_at_waiting (end = queue_limit)", file=sys.stderr)
     if report.interrupted is not None:
         kept = f"; previous sweep kept in {report.previous}" if report.previous is not None else ""
+        rest = ("every point had finished" if len(report.summaries) >= len(sweep.points)
+                else "run the same command again to finish")
         print(f"kvsim sweep: interrupted; {len(report.summaries)} of {_n(len(sweep.points), 'point')} in "
-              f"{report.out / 'sweep.parquet'}; run the same command again to finish{kept}", file=sys.stderr)
+              f"{report.out / 'sweep.parquet'}; {rest}{kept}", file=sys.stderr)
         return 128 + int(report.interrupted)
     if report.failed:
         print(f"kvsim sweep: {len(report.failed)} point(s) failed: {', '.join(report.failed[:5])}"
