@@ -52,6 +52,7 @@ from pathlib import Path
 from sim import _native
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
+from sim.errors import InputError
 from sim.io.scenario import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +131,16 @@ def child(case: str, limit: int | None, profile: bool, accounting: str) -> None:
     }))
 
 
+def check_cases(cases: list[str], ap: argparse.ArgumentParser) -> None:
+    """Load every case's scenario once before timing any: a missing trace (not fetched, no
+    $KVSIM_TRACES) is one argparse line and exit 2, not a traceback from a child process."""
+    for case in cases:
+        try:
+            load_run(CASES[case]["scenario"], CASES[case]["set"])
+        except InputError as exc:
+            ap.error(f"case {case}: {exc}")
+
+
 def _run_child(case: str, accounting: str, limit: int | None, profile: bool = False) -> tuple[dict, str]:
     cmd = [sys.executable, __file__, "--child", case, "--accounting", accounting]
     if limit:
@@ -165,6 +176,8 @@ def main() -> None:
     print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    check_cases([*dict.fromkeys(args.case or list(CASES))]
+                + (["mooncake-spec6"] if args.profile_limit else []), ap)
     combos = [(case, accounting) for case in args.case or list(CASES)
               for accounting in args.accounting or ACCOUNTINGS]
     runs: dict[tuple[str, str], list[dict]] = {c: [] for c in combos}

@@ -157,6 +157,7 @@ def main() -> None:
     counts: collections.Counter[str] = collections.Counter()
     _install(counts)
     cases = args.case or ["mooncake-spec6", "mooncake-full-attn"]
+    bench_engine.check_cases(cases, ap)
     cols = []
     for case in cases:
         timed = _timed(case, args.limit or None)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sim
 import sim.tools.plots as plots
+from sim.errors import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("lru", "arc", "belady")
@@ -59,7 +60,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "tiers-whatif.png"), help="the figure (PNG)")
     args = ap.parse_args()
     folder = Path(args.sweep)
-    sw = sim.load_sweep(folder)
+    try:
+        sw = sim.load_sweep(folder)
+    except InputError as exc:   # not run yet: `kvsim sweep scenarios/whatif/tiers.toml` writes it
+        ap.error(f"{exc} (run `kvsim sweep scenarios/whatif/tiers.toml` first)")
     t = sw.table
     base = sw.spec
     wl = base.get("workload", {})
