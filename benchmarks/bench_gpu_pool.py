@@ -205,6 +205,8 @@ def main() -> None:
     ap.add_argument("--synthetic", action="store_true", help="synthetic stream even if the trace exists")
     ap.add_argument("--no-check", action="store_true", help="skip the call-by-call comparison")
     args = ap.parse_args()
+    if args.requests < 1 or args.gpu_blocks < 2:
+        ap.error("--requests: at least 1; --gpu-blocks: at least 2")
     use_trace = _trace() is not None and not args.synthetic
     reqs = mooncake(args.requests) if use_trace else synthetic(args.requests)
     hashes = {r.req_id: r.hashes for r in reqs}

@@ -141,8 +141,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=[], help="only these commands (run, compare, ...)")
     ap.add_argument("--keep", action="store_true", help="keep the working tree's outputs")
     args = ap.parse_args()
-    sha = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    if rev.returncode != 0:
+        ap.error(f"--base: {args.base!r} is not a commit of this repository")
+    sha = rev.stdout.strip()
     base_out = CACHE / sha
     missing = [n for n in commands(ROOT, base_out) if (not args.only or n in args.only)
                and not (base_out / f"{n}.rc").exists()]

@@ -26,6 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from sim.errors import InputError
 from sim.tools.validation import TOLERANCE, ValidationFile, load_cases, replay, throughput_and_hits, ttft_pair
 
 CASES = Path(__file__).resolve().parent / "validation" / "published.toml"
@@ -43,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curves", action="store_true",
                     help="also print kvsim's whole curves over each source's measured grid")
     args = ap.parse_args(argv)
-    vf = load_cases(args.cases)
+    try:
+        vf = load_cases(args.cases)
+    except InputError as exc:
+        ap.error(str(exc))
     cases = [c for c in vf.cases if args.only is None or c.id in args.only]
     what_if = "" if args.mfu is None else f", WHAT-IF mfu = {args.mfu:g} (not the model's default)"
     print(f"# kvsim vs published vLLM CPU-offloading measurements ({args.cases.name}, {len(cases)} cases, "
