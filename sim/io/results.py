@@ -764,8 +764,6 @@ def duration_text(value: Any, *, seconds: bool | None = None) -> str:
     return f"{value:.2f} s" if in_s else f"{1000 * value:.1f} ms"
 
 
-_ms = duration_text
-
 
 def _load_text(load: dict[str, Any] | None) -> str:
     """The steady-state verdict in one cell (older summaries have none)."""
@@ -824,8 +822,8 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("recompute saved", _pct(summary["recompute_saved"])),
             ("load", _load_text(summary.get("load"))),
             ("TTFT p50 / p90 / p99" + (" (served)" if req.get("rejected") else ""),
-             " / ".join(_ms(ttft.get(f"p{q}")) for q in (50, 90, 99))),
-            ("TPOT mean / p50", f"{_ms(tpot.get('mean'))} / {_ms(tpot.get('p50'))}"),
+             " / ".join(duration_text(ttft.get(f"p{q}")) for q in (50, 90, 99))),
+            ("TPOT mean / p50", f"{duration_text(tpot.get('mean'))} / {duration_text(tpot.get('p50'))}"),
             ("throughput", f"{_fmt(thr['requests_per_s'], '.2f', ' req/s')}, "
                            f"{_fmt(thr['output_tokens_per_s'], '.1f', ' output tok/s')}"),
             ("bytes moved H2D / D2H", f"{human_bytes(tr['h2d_bytes'])} / {human_bytes(tr['d2h_bytes'])}"),
@@ -842,7 +840,7 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             with_rej = summary.get("ttft_s_with_rejected", {})
             rows.insert(next(i for i, r in enumerate(rows) if r[0].startswith("TPOT")),
                         ("TTFT p50 / p90 / p99 (rejected = never)",
-                         " / ".join(_ms(with_rej.get(f"p{q}")) if with_rej.get(f"p{q}") is not None
+                         " / ".join(duration_text(with_rej.get(f"p{q}")) if with_rej.get(f"p{q}") is not None
                                     else "never" for q in (50, 90, 99))))
         wl = summary.get("workload")
         if wl is not None:

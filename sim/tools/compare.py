@@ -767,11 +767,6 @@ def load_compare(path: str | Path) -> CompareResult:
 # -- text ------------------------------------------------------------------------------
 
 
-def _ms(v: Any) -> str:
-    """A duration as ``kvsim run`` prints it (ms below 10 s, s from 10 s on)."""
-    return duration_text(v)
-
-
 def _kinds(d: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items())
 
@@ -815,7 +810,7 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, ...]]:
         if what == "bytes":
             return f"{human_bytes(f['bytes']['h2d'])} / {human_bytes(f['bytes']['d2h'])}"
         if what == "ttft":
-            return " / ".join(_ms(f["ttft_s"].get(f"p{q}")) for q in (50, 90, 99))
+            return " / ".join(duration_text(f["ttft_s"].get(f"p{q}")) for q in (50, 90, 99))
         if what == "load":
             if f.get("overloaded") is None:
                 return "-"
@@ -823,7 +818,7 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, ...]]:
             return (f"{'OVERLOADED' if f['overloaded'] else 'stable'} (queue {ld.get('queue_trend')}, "
                     f"peak {ld.get('peak_waiting')})")
         if what == "tpot":
-            return f"{_ms(f['tpot_s'].get('mean'))} / {_ms(f['tpot_s'].get('p50'))}"
+            return f"{duration_text(f['tpot_s'].get('mean'))} / {duration_text(f['tpot_s'].get('p50'))}"
         thr = f["throughput"]
         rps, tps = thr.get("requests_per_s"), thr.get("output_tokens_per_s")
         return f"{'-' if rps is None else f'{rps:.2f}'} req/s, {'-' if tps is None else f'{tps:.1f}'} tok/s"
