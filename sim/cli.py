@@ -764,7 +764,7 @@ def add_sweep_parser(sub: Any) -> None:
                    "results/<name>-smoke)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over where points no longer match the sweep (the previous folder is "
-                        "kept aside until the new sweep completes)")
+                        "kept aside until every new point is ok; only a kvsim results folder)")
     p.add_argument("--smoke", action="store_true", help="the [smoke] version: few points, small runs")
     add_override_options(p, "a key of the base scenario", seed=False)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -828,8 +828,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"{report.out / 'sweep.parquet'}; {rest}{kept}", file=sys.stderr)
         return 128 + int(report.interrupted)
     if report.failed:
+        kept = f"; previous sweep kept in {report.previous}" if report.previous is not None else ""
         print(f"kvsim sweep: {len(report.failed)} point(s) failed: {', '.join(report.failed[:5])}"
-              f"{' ...' if len(report.failed) > 5 else ''}", file=sys.stderr)
+              f"{' ...' if len(report.failed) > 5 else ''}{kept}", file=sys.stderr)
         return 1
     return 0
 
@@ -871,7 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a scenario (run/1 file) and write results/<name>/")
     p.add_argument("scenario", help="run/1 scenario TOML")
     p.add_argument("--out", metavar="DIR", help="the run folder (default: results/<name>)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty run folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous result (a kvsim run, "
+                   "compare or sweep folder; any other non-empty folder is refused)")
     add_override_options(p, logic=True, decisions=True)
     p.add_argument("--plots", action="store_true", help="also write plots/*.png")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -881,7 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(same seed)")
     p.add_argument("scenario", help="run/1 scenario TOML (its window_logic is replaced per run)")
     p.add_argument("--out", metavar="DIR", help="the compare folder (default: results/<name>-compare)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty compare folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous result (a kvsim compare, "
+                   "run or sweep folder; any other non-empty folder is refused)")
     add_override_options(p)
     p.add_argument("--logics", default="old,new", metavar="A,B[,C]",
                    help="two or three of old,new,latest, in report order; each is compared with the "

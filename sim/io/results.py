@@ -84,6 +84,7 @@ __all__ = [
     "RunResults",
     "RunWriter",
     "arrow_schema",
+    "check_replaceable",
     "clean_leftovers",
     "concat_frames",
     "find_unreadable",
@@ -99,6 +100,7 @@ __all__ = [
     "read_table",
     "read_toml",
     "remove_created",
+    "result_kind",
     "scenario_columns",
     "summaries",
     "summary_table",
@@ -300,6 +302,48 @@ def clean_leftovers(folder: Path) -> list[Path]:
     return out
 
 
+#: what marks a folder kvsim wrote, by kind: a run (``summary.json`` and ``run_info.json``),
+#: a compare (``compare.json``), a sweep (``sweep.toml`` and ``points/``)
+RESULT_MARKERS: dict[str, tuple[str, ...]] = {
+    "run": ("summary.json", "run_info.json"),
+    "compare": ("compare.json",),
+    "sweep": ("sweep.toml", "points"),
+}
+
+
+def result_kind(folder: Path) -> str | None:
+    """``"run"``, ``"compare"`` or ``"sweep"`` when ``folder`` holds that kind's files
+    (:data:`RESULT_MARKERS`), else None."""
+    for kind, names in RESULT_MARKERS.items():
+        if all((folder / name).exists() for name in names):
+            return kind
+    return None
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse ``--overwrite`` of a non-empty folder that kvsim did not write.
+
+    ``--overwrite`` replaces a previous result (a run, compare or sweep
+    folder); any other folder (a home, ``/tmp``, a user's notes) would be
+    deleted with it, so it is refused before any work. An empty folder, or
+    one holding only the hidden leftovers of a kvsim writer, is fine.
+
+    Raises:
+        InputError: ``target`` is a non-empty folder of no kvsim kind.
+    """
+    t = Path(target)
+    try:
+        if not t.is_dir() or result_kind(t) is not None:
+            return
+        foreign = next((e.name for e in t.iterdir() if not _LEFTOVER.match(e.name)), None)
+    except OSError:
+        return   # unreadable: the writer reports it
+    if foreign is not None:
+        raise InputError(str(t), "", f"holds {foreign!r} and is not a kvsim results folder: "
+                         "--overwrite would delete it",
+                         "a new or empty folder, or a kvsim run, compare or sweep folder to replace")
+
+
 def out_error(path: Path | str, exc: OSError) -> InputError:
     """An output that cannot be written, as one line of bad input (``--out``)."""
     reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else "") or str(exc) or type(exc).__name__
@@ -369,14 +413,17 @@ class RunWriter:
         clean: remove leftovers of dead processes beside the target when
             starting (False where another process may be writing there from
             another host, as a sweep's points with Ray: the sweep cleans them).
+        replace_any: ``overwrite`` may replace a folder kvsim did not write
+            (only a sweep's own point folders, whose sweep folder was checked).
 
     Raises:
-        InputError: the target is a file, or a non-empty folder and ``overwrite``
-            is false. Nothing is created then.
+        InputError: the target is a file, a non-empty folder and ``overwrite``
+            is false, or a non-empty folder kvsim did not write
+            (:func:`check_replaceable`). Nothing is created then.
     """
 
     def __init__(self, target: Path, overwrite: bool = False, *, aside: bool = True,
-                 clean: bool = True) -> None:
+                 clean: bool = True, replace_any: bool = False) -> None:
         self.target = Path(target)
         t = self.target
         if t.exists() and not t.is_dir():
@@ -384,6 +431,8 @@ class RunWriter:
         if t.is_dir() and any(t.iterdir()) and not overwrite:
             raise InputError(str(t), "", "results folder exists and is not empty",
                              "a new or empty folder, or --overwrite")
+        if not replace_any:
+            check_replaceable(t)
         self.overwrite = overwrite
         self.aside = aside
         self.clean = clean

@@ -95,6 +95,7 @@ from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
 from sim.io.results import (
     RunWriter,
+    check_replaceable,
     clean_floats,
     clean_leftovers,
     duration_text,
@@ -283,6 +284,7 @@ def _check_target(target: Path, overwrite: bool) -> None:
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise InputError(str(target), "", "compare folder exists and is not empty",
                          "a new or empty folder, or --overwrite")
+    check_replaceable(target)
 
 
 def compare_runs(spec_path: str | Path, out: str | Path | None = None,

@@ -63,8 +63,8 @@ Overwrite
     it), and the new folder starts with hard links (copies where links are
     not possible) of what this sweep keeps from it: its finished points
     (same scenario) and, with ``--smoke``, the other points' folders. The
-    aside folder is removed when the new sweep completes (failed points
-    included). If the new sweep is interrupted or fails, the aside folder
+    aside folder is removed when every point of the new sweep is ok. If the
+    new sweep is interrupted, or any of its points failed, the aside folder
     becomes ``<name>.previous`` (``<name>.previous-2`` ... when taken), kept
     for the user, and the new folder resumes as any sweep does. After a
     SIGKILL the hidden aside folder is removed by the next command that
@@ -117,6 +117,7 @@ from sim.io.columns import SUMMARY_KEYS, flat_summary, summary_arrays
 from sim.io.results import (
     RunWriter,
     arrow_schema,
+    check_replaceable,
     clean_leftovers,
     concat_frames,
     duration_text,
@@ -175,7 +176,7 @@ class _GuardedWriter(RunWriter):
     def __init__(self, target: Path, parent_pid: int | None) -> None:
         # a failed point replaces its folder (it runs again next time); points/ is cleaned by the
         # sweep itself, once, at the start (with Ray, other hosts' pids mean nothing here)
-        super().__init__(target, overwrite=True, aside=False, clean=False)
+        super().__init__(target, overwrite=True, aside=False, clean=False, replace_any=True)
         self.parent_pid = parent_pid
 
     def finish(self, status: str, summary: dict[str, Any], scenario_toml: str,
@@ -311,6 +312,8 @@ def _survey(sweep: Sweep, out: Path, overwrite: bool) -> tuple[dict[int, dict[st
     stale: list[Path] = []
     if out.exists() and not out.is_dir():
         raise InputError(str(out), "", "exists and is not a folder", "a new folder or a sweep folder")
+    if overwrite:
+        check_replaceable(out)
     by_id = {pt.run_id: pt for pt in sweep.points}
     if not points_dir.is_dir():
         return finished, stale
@@ -369,8 +372,9 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         backend: ``"local"`` (process pool) or ``"ray"``.
         address: a Ray cluster to join (``ray start --head`` printed it).
         overwrite: start over from a folder that does not match this sweep (the
-            previous folder is kept aside until the new sweep is done: see
-            "Overwrite" above).
+            previous folder is kept aside until every new point is ok: see
+            "Overwrite" above); refused for a non-empty folder that is not a
+            kvsim sweep, run or compare folder.
         progress: called with (points done now, points to run) after each point.
         on_start: called once with (points skipped, points to run).
         on_failed: called with (run id, the reason in one line) for each point that fails.
@@ -399,7 +403,8 @@ def run_sweep(sweep: Sweep, out: Path, *, jobs: int | None = None, backend: str 
         completed = False
         try:
             _run_points(sweep, out, report, finished, ray, jobs, address, progress, on_start, on_failed, argv)
-            completed = report.interrupted is None
+            # a point that failed may have replaced a good one: the previous sweep is then kept
+            completed = report.interrupted is None and not report.failed
         finally:
             if previous is not None:
                 if completed:

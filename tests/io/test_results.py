@@ -23,6 +23,7 @@ from sim.engine.metrics import (
     TransferRow,
 )
 from sim.errors import InputError
+from sim.io import results
 from sim.io.results import (
     ParquetSink,
     RunWriter,
@@ -139,6 +140,29 @@ def test_run_writer_accepts_an_empty_target_and_overwrites(tmp_path: Path):
     _write_run(target, overwrite=True)
     assert not (target / "extra.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_run_writer_overwrites_only_what_kvsim_wrote(tmp_path: Path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("keep")
+    with pytest.raises(InputError) as info:
+        RunWriter(mine, overwrite=True)
+    assert "'thesis.txt'" in info.value.problem and "not a kvsim results folder" in info.value.problem
+    assert (mine / "thesis.txt").read_text() == "keep"
+    RunWriter(mine, overwrite=True, replace_any=True)   # a sweep's own point folders
+    leftovers = tmp_path / "only-leftovers"
+    leftovers.mkdir()
+    (leftovers / ".x.tmp-1").mkdir()
+    RunWriter(leftovers, overwrite=True)   # nothing of the user's in it
+    for kind, names in results.RESULT_MARKERS.items():
+        folder = tmp_path / kind
+        folder.mkdir()
+        for name in names:
+            (folder / name).touch()
+        (folder / "more").touch()
+        assert results.result_kind(folder) == kind
+        RunWriter(folder, overwrite=True)
 
 
 def test_run_writer_refuses_a_file_target(tmp_path: Path):

@@ -321,9 +321,17 @@ def test_non_empty_target_is_refused_unless_overwrite(in_tmp: Path,
     assert code == 2 and "not empty" in err
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
     assert not [p for p in in_tmp.iterdir() if p.name.startswith(".")]
+    code, _, err = run_cli(["compare", str(f), "--out", str(target), "--jobs", "1", "-q", "--overwrite"],
+                           capsys)   # not a kvsim folder: --overwrite would delete the user's file
+    assert code == 2 and "not a kvsim results folder" in err
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    (target / "keep.txt").unlink()
+    assert run_cli(["compare", str(f), "--out", str(target), "--jobs", "1", "-q"], capsys)[0] == 0
+    (target / "compare.md").write_text("edited")
     code, _, _ = run_cli(["compare", str(f), "--out", str(target), "--jobs", "1", "-q", "--overwrite"],
                          capsys)
-    assert code == 0 and not (target / "keep.txt").exists() and (target / "compare.json").is_file()
+    assert code == 0 and (target / "compare.md").read_text() != "edited"
+    assert (target / "compare.json").is_file()
     assert not [p for p in in_tmp.iterdir() if p.name.startswith(".")]
 
 

@@ -132,6 +132,47 @@ def test_interrupted_sweep_overwrite_keeps_the_previous_sweep(tmp_path: Path,
     assert hidden(tmp_path) == [] and hidden(out) == [] and hidden(out / "points") == []
 
 
+def test_a_sweep_overwrite_whose_points_fail_keeps_the_previous_sweep(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP)
+    out = tmp_path / "out"
+    assert main(["sweep", str(f), "--out", str(out), "--jobs", "1", "-q"]) == 0
+    before = tree(out)
+    bad = tmp_path / "bad.jsonl"   # a trace whose second line is broken: every point fails
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n{bad\n')
+    capsys.readouterr()
+    code = main(["sweep", str(f), "--out", str(out), "--overwrite", "--jobs", "1", "-q",
+                 "--set", 'workload.kind="mooncake"', "--set", f'workload.path="{bad}"'])
+    err = capsys.readouterr().err
+    kept = tmp_path / "out.previous"
+    assert code == 1 and f"previous sweep kept in {kept}" in err and "Traceback" not in err
+    assert tree(kept) == before   # the good sweep, whole, although every new point replaced one of it
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "sweep"])
+def test_overwrite_refuses_a_folder_kvsim_did_not_write(command: str, in_tmp: Path,
+                                                        capsys: pytest.CaptureFixture[str]):
+    mine = in_tmp / "notes"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "thesis.txt").write_text("keep")
+    (mine / "sub" / "data.csv").write_text("x")
+    before = tree(mine)
+    (in_tmp / "s.toml").write_text(SWEEP)
+    scenario = str(in_tmp / "s.toml") if command == "sweep" else str(DEFAULT)
+    jobs = ["--jobs", "1"] if command != "run" else []
+    extra = [*jobs, "-q"] if command == "sweep" else [*SMALL, *jobs]
+    code, _, err = cli([command, scenario, "--out", str(mine), "--overwrite", *extra], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "is not a kvsim results folder" in err and "Traceback" not in err
+    assert tree(mine) == before and hidden(in_tmp) == []
+    # a kvsim results folder is replaced, whatever its kind
+    run = in_tmp / "a-run"
+    assert cli(["run", str(DEFAULT), "--out", str(run), *SMALL], capsys)[0] == 0
+    assert cli([command, scenario, "--out", str(run), "--overwrite", *extra], capsys)[0] == 0
+
+
 # -- 3. leftovers of dead processes ---------------------------------------------------------------
 
 
