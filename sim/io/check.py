@@ -69,6 +69,7 @@ from sim.io.schema import (
     Strict,
     Tokens,
     at_most,
+    check_schema,
 )
 from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache, key_parts, offload_key
@@ -459,8 +460,7 @@ def prepare_check(data: Any, source: str) -> tuple[CheckScenario, KernelTable | 
     The table depends on no field that ``window_logic`` copies change."""
     if not isinstance(data, dict):
         raise InputError(source, "", "not a check scenario (a table/object)", 'schema = "check/1"')
-    if data.get("schema") != "check/1":
-        raise InputError(source, "schema", f"{data.get('schema')!r}", '"check/1"')
+    check_schema(data, source, "check/1")
     try:
         sc = CheckScenario.model_validate(data)
     except ValidationError as exc:
@@ -502,16 +502,27 @@ def load_check_file(path: Path, jsonl: bool = False) -> tuple[bool, list[Any]]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InputError(source, "", f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(source, "", f"cannot read: {exc}",
+                         "a UTF-8 text file (TOML, JSON or JSON Lines)") from None
     if jsonl:
-        items = []
+        items: list[Any] = []
+        bad: list[tuple[int, str]] = []   # (line, problem) of each line that is not JSON
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     items.append(json.loads(line))
+                    continue
                 except json.JSONDecodeError as exc:
-                    items.append({"__error__": f"{source}:line {n}: bad JSON: {exc.msg}"})
+                    bad.append((n, f"bad JSON: {exc.msg}"))
                 except RecursionError:
-                    items.append({"__error__": f"{source}:line {n}: bad JSON: nested too deeply"})
+                    bad.append((n, "bad JSON: nested too deeply"))
+                items.append({"__error__": f"{source}:line {n}: {bad[-1][1]}"})
+        if items and len(bad) == len(items):
+            # not one line is JSON: the file is not JSON Lines at all (a TOML file, say), which
+            # is bad input, not a batch whose every item failed
+            raise InputError(source, f"line {bad[0][0]}", f"{bad[0][1]} (no line of the file is JSON)",
+                             "JSON Lines: one check/1 scenario (a JSON object) per line")
         return True, items
     if path.suffix == ".toml":
         try:

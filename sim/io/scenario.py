@@ -180,6 +180,7 @@ from sim.io.schema import (
     Strict,
     Tokens,
     at_most,
+    check_schema,
 )
 from sim.io.traces import BadLines, detect_format, resolve_trace, trace_digest
 from sim.io.workload import (
@@ -989,13 +990,6 @@ def read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise _toml_error(source, exc) from None
-
-
-def check_schema(data: dict[str, Any], source: str, want: str) -> None:
-    got = data.get("schema")
-    if got != want:
-        problem = "missing" if got is None else f"{got!r} is not {want!r}"
-        raise InputError(source, "schema", problem, f'"{want}"')
 
 
 # -- --set overrides --------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from sim.errors import InputError
 from sim.model.layout import GroupKind, GroupSpec, KVShape
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Strict",
     "at_most",
     "beyond_limit",
+    "check_schema",
 ]
 
 #: the largest value of a 64-bit signed integer column (Parquet int64)
@@ -132,3 +134,11 @@ class GroupEntry(Strict):
         """The model layer's group (with ``shape`` when the file gives one)."""
         return GroupSpec(GroupKind(self.kind), self.tokens_per_block, self.window, self.attention_chunk,
                          self.extra_retained_tokens, self.eagle, shape=shape)
+
+
+def check_schema(data: dict[str, Any], source: str, want: str) -> None:
+    """Refuse a file whose ``schema`` key is missing or not ``want`` (one line, naming the key)."""
+    got = data.get("schema")
+    if got != want:
+        problem = "missing" if got is None else f"{got!r} is not {want!r}"
+        raise InputError(source, "schema", problem, f'"{want}"')

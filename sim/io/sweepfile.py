@@ -33,13 +33,12 @@ from sim.io.scenario import (
     RunSpec,
     apply_overrides,
     build_run,
-    check_schema,
     kvsim_version,
     located,
     read_toml,
     unit_parser,
 )
-from sim.io.schema import Strict
+from sim.io.schema import Strict, check_schema
 
 __all__ = ["SmokeSection", "Sweep", "SweepPoint", "SweepSection", "describe_sweep", "read_sweep", "spread"]
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sim.errors import InputError
-from sim.io.check import json_dumps, load_check_file
+from sim.io.check import json_dumps, load_check_file, prepare_check
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8)
            | st.floats(allow_nan=False, allow_infinity=False))
@@ -40,9 +40,32 @@ def test_the_output_is_compact_and_falls_back_for_huge_integers() -> None:
 def test_a_file_nested_too_deeply_is_one_clear_error(tmp_path: Path, jsonl: bool) -> None:
     f = tmp_path / ("deep.jsonl" if jsonl else "deep.json")
     f.write_text("[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
-    if jsonl:
+    with pytest.raises(InputError, match="nested too deeply"):   # the whole file (no line is JSON)
+        load_check_file(f, jsonl=jsonl)
+    if jsonl:   # one line of a batch: that item's error, the others run
+        f.write_text('{"schema": "check/1"}\n' + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
         _, items = load_check_file(f, jsonl=True)
-        assert items == [{"__error__": f"{f}:line 1: bad JSON: nested too deeply"}]
-    else:
-        with pytest.raises(InputError, match="nested too deeply"):
-            load_check_file(f)
+        assert items == [{"schema": "check/1"}, {"__error__": f"{f}:line 2: bad JSON: nested too deeply"}]
+
+
+@pytest.mark.parametrize("name", ["bin.toml", "bin.json", "bin.jsonl"])
+def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    f.write_bytes(b"\xff\xfe\x00x")
+    with pytest.raises(InputError, match="cannot read: 'utf-8' codec") as info:
+        load_check_file(f, jsonl=name.endswith(".jsonl"))
+    assert "UTF-8" in info.value.allowed
+
+
+def test_a_toml_file_read_as_json_lines_is_one_error_and_a_missing_schema_says_missing(tmp_path: Path) -> None:
+    f = tmp_path / "case.toml"
+    f.write_text('schema = "check/1"\nwindow_logic = "new"\n', encoding="utf-8")
+    with pytest.raises(InputError, match="no line of the file is JSON") as info:
+        load_check_file(f, jsonl=True)
+    assert info.value.key == "line 1"
+    empty = tmp_path / "empty.toml"
+    empty.write_text("", encoding="utf-8")
+    _, items = load_check_file(empty)
+    with pytest.raises(InputError) as missing:
+        prepare_check(items[0], str(empty))
+    assert (missing.value.key, missing.value.problem) == ("schema", "missing")
