@@ -57,7 +57,7 @@ def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path: Path, name: str) -
     assert "UTF-8" in info.value.allowed
 
 
-def test_a_toml_file_read_as_json_lines_is_one_error_and_a_missing_schema_says_missing(tmp_path: Path) -> None:
+def test_a_toml_file_read_as_json_lines_is_one_error_a_missing_schema_says_so(tmp_path: Path) -> None:
     f = tmp_path / "case.toml"
     f.write_text('schema = "check/1"\nwindow_logic = "new"\n', encoding="utf-8")
     with pytest.raises(InputError, match="no line of the file is JSON") as info:
