@@ -32,6 +32,7 @@ from sim.errors import InputError
 from sim.io.check import evaluate, json_dumps, load_check_file, prepare_check, scenario_outcomes, summarize
 from sim.io.results import (
     RunWriter,
+    find_incomplete,
     find_unreadable,
     make_folder,
     remove_created,
@@ -712,6 +713,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise InputError(str(folder), "", "not a directory",
                          "a folder written by kvsim run, kvsim compare or kvsim sweep")
+    if (bad := find_incomplete(folder)) is not None:   # before any figure is drawn
+        raise bad
     try:
         paths = write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr))
     except InputError:

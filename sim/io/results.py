@@ -87,11 +87,13 @@ __all__ = [
     "check_replaceable",
     "clean_leftovers",
     "concat_frames",
+    "find_incomplete",
     "find_unreadable",
     "key_table",
     "load_results",
     "load_runs",
     "make_folder",
+    "missing_table",
     "move_into_place",
     "out_error",
     "pid_alive",
@@ -302,20 +304,20 @@ def clean_leftovers(folder: Path) -> list[Path]:
     return out
 
 
-#: what marks a folder kvsim wrote, by kind: a run (``summary.json`` and ``run_info.json``),
-#: a compare (``compare.json``), a sweep (``sweep.toml`` and ``points/``)
-RESULT_MARKERS: dict[str, tuple[str, ...]] = {
-    "run": ("summary.json", "run_info.json"),
-    "compare": ("compare.json",),
-    "sweep": ("sweep.toml", "points"),
+#: the file that marks each kind of folder kvsim writes, in the order they are told apart
+#: (a sweep's and a compare's folders hold run folders, but not at their top)
+RESULT_MARKERS: dict[str, str] = {
+    "sweep": "sweep.parquet",
+    "compare": "compare.json",
+    "run": "summary.json",
 }
 
 
-def result_kind(folder: Path) -> str | None:
-    """``"run"``, ``"compare"`` or ``"sweep"`` when ``folder`` holds that kind's files
+def result_kind(folder: Path | str) -> str | None:
+    """``"sweep"``, ``"compare"`` or ``"run"`` by the file that marks each kind
     (:data:`RESULT_MARKERS`), else None."""
-    for kind, names in RESULT_MARKERS.items():
-        if all((folder / name).exists() for name in names):
+    for kind, name in RESULT_MARKERS.items():
+        if (Path(folder) / name).is_file():
             return kind
     return None
 
@@ -557,11 +559,13 @@ def load_results(path: str | Path) -> RunResults:
     """Read a run folder written by ``kvsim run``.
 
     A table file that is missing (a run that failed before it wrote anything)
-    reads as an empty DataFrame with the table's columns.
+    reads as an empty DataFrame with the table's columns; in a run whose
+    summary says ``ok`` it is damage (:func:`missing_table`).
 
     Raises:
-        InputError: ``path`` is not a run folder (no ``summary.json``), or a
-            file in it cannot be read (truncated or corrupt), naming the file.
+        InputError: ``path`` is not a run folder (no ``summary.json``), a
+            file in it cannot be read (truncated or corrupt), or an ok run
+            lacks a table, naming the file.
     """
 
     folder = Path(path)
@@ -575,6 +579,8 @@ def load_results(path: str | Path) -> RunResults:
     scenario = read_toml(scenario_file) if scenario_file.is_file() else {}
     info_file = folder / "run_info.json"
     run_info = read_json(info_file) if info_file.is_file() else {}
+    if (missing := missing_table(folder)) is not None:
+        raise missing
     frames: dict[str, Any] = {}
     for table in TABLES:
         f = folder / f"{table}.parquet"
@@ -649,6 +655,39 @@ def find_unreadable(folder: Path | str) -> InputError | None:
         except Exception as exc:  # pyarrow: ArrowInvalid, OSError, ...
             return unreadable(f, exc)
     return None
+
+
+def missing_table(folder: Path | str) -> InputError | None:
+    """The first table file missing from a run folder whose ``summary.json`` says ``ok``
+    (an ok run writes every table but the optional ones), as bad input naming it; None
+    when none is missing, or the run is not ok (a failed run may have written none)."""
+    folder = Path(folder)
+    try:
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None   # no summary, or an unreadable one: find_unreadable names it
+    if not isinstance(summary, dict) or summary.get("status") != "ok":
+        return None
+    for table in TABLES:
+        f = folder / f"{table}.parquet"
+        if table not in OPTIONAL_TABLES and not f.is_file():
+            return InputError(str(f), "", "missing (an ok run writes every table)", RERUN)
+    return None
+
+
+def find_incomplete(folder: Path | str) -> InputError | None:
+    """What makes a results folder unfit to read, before anything is read or written from it:
+    a run folder (the folder, or one inside it: a compare's logics, a sweep's points) missing
+    a table (:func:`missing_table`), else a file that cannot be read (:func:`find_unreadable`);
+    None when it is whole."""
+    root = Path(folder)
+    runs = [root] if (root / "summary.json").is_file() else []
+    runs += sorted(f.parent for f in root.rglob("summary.json")
+                   if f.parent != root and not any(p.startswith(".") for p in f.relative_to(root).parts))
+    for run in runs:
+        if (problem := missing_table(run)) is not None:
+            return problem
+    return find_unreadable(root)
 
 
 # -- many runs as one table (docs/columns.md) ---------------------------------------------

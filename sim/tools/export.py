@@ -9,9 +9,11 @@ What it writes
     * a sweep folder: ``sweep.csv`` (the table as :func:`sim.load_sweep` reads it,
       an older folder's columns renamed); with ``points``, every point's folder as above.
 
-Each file is written to a hidden temporary name beside it
-(``.<name>.tmp-<pid>``) and renamed onto it, so a CSV that exists is complete;
-an earlier export is replaced, nothing else is touched. Columns and units:
+The folder is checked first (every table an ok run writes is there, every
+file reads: :func:`sim.io.results.find_incomplete`). Each file is written to a
+hidden temporary name beside it (``.<name>.tmp-<pid>``) and, once all are
+written, renamed onto it: an export that fails leaves no CSV of its own; an
+earlier export is replaced, nothing else is touched. Columns and units:
 ``docs/columns.md``. The CSV is pandas' (``index=False``): nulls are empty
 cells, floats in full precision.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 from sim.engine.metrics import TABLES
 from sim.errors import InputError
-from sim.io.results import read_parquet, summaries, temp_beside
+from sim.io.results import find_incomplete, read_parquet, summaries, temp_beside
 from sim.tools.plots import folder_kind
 from sim.tools.sweep import load_sweep
 
@@ -34,19 +36,26 @@ __all__ = ["FORMATS", "export_folder"]
 FORMATS = ("csv",)
 
 
-def _write_csv(frame: Any, path: Path) -> Path:
-    tmp = temp_beside(path)
+def _write_all(jobs: list[tuple[Path, Callable[[], Any]]]) -> list[Path]:
+    """Write every CSV to its hidden temporary name, then rename them all into place: a
+    table that cannot be read or written leaves no CSV of this export behind."""
+    written: list[tuple[Path, Path]] = []
     try:
-        frame.to_csv(tmp, index=False)
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(str(path), "", f"cannot be written: {exc.strerror or exc}",
-                         "a writable results folder (with free space)") from None
+        for path, make in jobs:
+            tmp = temp_beside(path)
+            written.append((tmp, path))
+            try:
+                make().to_csv(tmp, index=False)
+            except OSError as exc:
+                raise InputError(str(path), "", f"cannot be written: {exc.strerror or exc}",
+                                 "a writable results folder (with free space)") from None
+        for tmp, path in written:
+            tmp.replace(path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
         raise
-    return path
+    return [path for _, path in written]
 
 
 def _parquet(path: Path) -> Callable[[], Any]:
@@ -84,6 +93,8 @@ def export_folder(folder: str | Path, fmt: str = "csv", points: bool = False) ->
     if not root.is_dir():
         raise InputError(str(root), "", "not a directory", "a folder written by kvsim run, compare or sweep")
     kind = folder_kind(root)
+    if (bad := find_incomplete(root)) is not None:   # before any CSV is written
+        raise bad
     jobs: list[tuple[Path, Callable[[], Any]]] = []
     if kind == "run":
         jobs = _run(root)
@@ -100,4 +111,4 @@ def export_folder(folder: str | Path, fmt: str = "csv", points: bool = False) ->
             for run_dir in sweep.table["run_dir"]:
                 if (root / str(run_dir) / "summary.json").is_file():
                     jobs += _run(root / str(run_dir))
-    return [_write_csv(make(), path) for path, make in jobs]
+    return _write_all(jobs)

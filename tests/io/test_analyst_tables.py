@@ -235,6 +235,33 @@ def test_export_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Cap
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("damage", ["summary", "parquet", "missing"])
+def test_export_and_plot_of_a_damaged_run_write_nothing(runs: list[Path], tmp_path: Path, damage: str,
+                                                       capsys: pytest.CaptureFixture[str]):
+    """A corrupt summary, a corrupt table or a table missing from an ok run: one line naming
+    the file, exit 2, and no CSV or figure of the command left behind."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run, ignore=shutil.ignore_patterns("*.csv"))
+    bad = {"summary": run / "summary.json", "parquet": run / "occupancy.parquet",
+           "missing": run / "requests.parquet"}[damage]
+    if damage == "missing":
+        bad.unlink()
+    else:
+        bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    before = sorted(p.name for p in run.iterdir())
+    for args in (["export", str(run)], ["plot", str(run), "--out", str(tmp_path / "figs")]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(bad) in err[0], (args, err)
+        assert sorted(p.name for p in run.iterdir()) == before
+        assert not (tmp_path / "figs").exists()
+    if damage == "missing":
+        with pytest.raises(InputError, match="missing"):
+            load_results(run)
+
+
 def test_a_run_read_back_shows_as_one_short_line(runs: list[Path]):
     """In a notebook, ``sim.load_results(folder)`` echoes the folder, status and table sizes,
     not every table and the whole summary."""

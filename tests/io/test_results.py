@@ -155,11 +155,10 @@ def test_run_writer_overwrites_only_what_kvsim_wrote(tmp_path: Path):
     leftovers.mkdir()
     (leftovers / ".x.tmp-1").mkdir()
     RunWriter(leftovers, overwrite=True)   # nothing of the user's in it
-    for kind, names in results.RESULT_MARKERS.items():
+    for kind, name in results.RESULT_MARKERS.items():
         folder = tmp_path / kind
         folder.mkdir()
-        for name in names:
-            (folder / name).touch()
+        (folder / name).touch()
         (folder / "more").touch()
         assert results.result_kind(folder) == kind
         RunWriter(folder, overwrite=True)
@@ -200,11 +199,16 @@ def test_load_results_returns_frames(tmp_path: Path):
     assert res.summary["status"] == "ok"
 
 
-def test_load_results_of_a_missing_table_is_empty(tmp_path: Path):
-    target = _write_run(tmp_path / "demo")
+def test_load_results_of_a_missing_table_is_empty_unless_the_run_is_ok(tmp_path: Path):
+    target = _write_run(tmp_path / "demo", status="failed")   # a failed run may have written none
     (target / "occupancy.parquet").unlink()
     res = load_results(target)
     assert list(res.occupancy.columns) == [c for c, _ in TABLES["occupancy"]] and res.occupancy.empty
+    ok = _write_run(tmp_path / "ok")
+    (ok / "occupancy.parquet").unlink()
+    with pytest.raises(InputError) as info:   # an ok run writes every table: this one is damaged
+        load_results(ok)
+    assert info.value.source == str(ok / "occupancy.parquet")
 
 
 def test_load_results_refuses_a_non_run_folder(tmp_path: Path):
