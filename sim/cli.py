@@ -598,14 +598,16 @@ def add_fuzz_parser(sub: Any) -> None:
     mode.add_argument("--runs", type=int, metavar="N",
                       help="random whole runs to simulate (OLD and NEW each)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
-    p.add_argument("--logic-pair", default="old,new", metavar="A,B", help="logics compared (default old,new)")
+    p.add_argument("--logic-pair", metavar="A,B",
+                   help="--budget: the two different logics compared (default old,new)")
     p.add_argument("--out", metavar="DIR",
                    help="where new cases go (default scenarios/crash/fuzz; --runs: results/fuzz-runs)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
                    help="worker processes (default: CPU count)")
     p.add_argument("--copy-path", action="store_true", help="--runs: real tensor copies, integrity under NEW")
-    p.add_argument("--verify-every", type=int, default=4096, metavar="K",
-                   help="cross-check every K-th scenario against run_check (0: never)")
+    p.add_argument("--verify-every", type=int, metavar="K",
+                   help="--budget: cross-check every K-th scenario against run_check "
+                        "(default 4096; 0: never)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_fuzz)
 
@@ -614,6 +616,18 @@ def _bar(total: int, unit: str, quiet: bool) -> Any:
     if quiet or not sys.stderr.isatty():
         return None
     return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, desc="fuzz")
+
+
+def _refuse_other_mode(args: argparse.Namespace) -> None:
+    """An option of the other fuzz mode would be ignored without a word: it is refused."""
+    if args.runs is None:
+        other = ["--copy-path"] * args.copy_path
+    else:
+        given = {"--logic-pair": args.logic_pair, "--verify-every": args.verify_every}
+        other = [opt for opt, value in given.items() if value is not None]
+    if other:
+        mode, wanted = ("--budget", "--runs") if args.runs is None else ("--runs", "--budget")
+        raise InputError("argument", other[0], f"has no effect with {mode}", f"{other[0]} with {wanted}")
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -625,21 +639,25 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise InputError("argument", "--seed", f"{args.seed}", "an integer >= 0")
     command = "kvsim fuzz " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["fuzz"] else ""
+    _refuse_other_mode(args)
     if args.runs is not None:
         return _cmd_runs(args, command)
-    pair = tuple(x.strip() for x in args.logic_pair.split(","))
-    if len(pair) != 2 or any(x not in ("old", "new", "latest") for x in pair):
+    pair = tuple(x.strip() for x in (args.logic_pair or "old,new").split(","))
+    if len(pair) != 2 or len(set(pair)) != 2 or any(x not in ("old", "new", "latest") for x in pair):
         raise InputError("argument", "--logic-pair", f"{args.logic_pair!r}",
-                         "two of old,new,latest, e.g. old,new or new,latest")
+                         "two different ones of old,new,latest, e.g. old,new or new,latest")
     if args.budget < 1:
         raise InputError("argument", "--budget", f"{args.budget}", "an integer >= 1")
+    verify_every = 4096 if args.verify_every is None else args.verify_every
+    if verify_every < 0:
+        raise InputError("argument", "--verify-every", f"{verify_every}", "an integer >= 0 (0: never)")
     out = Path(args.out or "scenarios/crash/fuzz")
     created = _writable_folder(out, "--out", out)  # before the search: no work for nothing
     bar = _bar(args.budget, "scn", args.quiet)
     try:
         logics = cast("tuple[Literal['old', 'new', 'latest'], ...]", pair)
         rep = fuzz_decisions(args.budget, args.seed, logics=logics, out=out,
-                             jobs=args.jobs, verify_every=args.verify_every,
+                             jobs=args.jobs, verify_every=verify_every,
                              progress=bar.update if bar is not None else None, command=command)
     finally:
         if bar is not None:

@@ -304,9 +304,17 @@ def test_regress_jobs_option_keeps_table_and_exit_codes(tmp_path: Path, capsys):
 
 def test_fuzz_cli_rejects_bad_arguments(capsys):
     assert main(["fuzz", "--budget", "10", "--logic-pair", "old,newest"]) == 2
+    assert main(["fuzz", "--budget", "10", "--logic-pair", "new,new"]) == 2      # nothing to compare
+    assert main(["fuzz", "--budget", "10", "--verify-every", "-1"]) == 2
     assert main(["fuzz", "--budget", "0"]) == 2
     assert main(["fuzz", "--runs", "1", "--jobs", "0"]) == 2
     capsys.readouterr()
+    # an option of the other mode is refused, not ignored
+    for args in (["--budget", "10", "--copy-path"], ["--runs", "1", "--logic-pair", "old,new"],
+                 ["--runs", "1", "--verify-every", "0"]):
+        assert main(["fuzz", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "has no effect with" in err[0], (args, err)
 
 
 def test_condition_names_are_words_and_slugs_are_file_names():
