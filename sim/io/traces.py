@@ -86,6 +86,7 @@ __all__ = [
     "format_stats",
     "iter_mooncake_records",
     "iter_records",
+    "no_requests",
     "output_format",
     "resolve_trace",
     "trace_digest",
@@ -897,9 +898,7 @@ def trace_stats(path: str | os.PathLike[str], fmt: str | None = None, *, skip_ba
             else:
                 groups.add(rec.prefix_group)
     if not inputs:
-        why = (f"every line was bad: {bad.count} bad line{'s' if bad.count != 1 else ''} skipped by "
-               "--skip-bad" if bad.count else "the file has no request line")
-        raise InputError(str(path), "", f"no requests ({why})", "a trace with at least one request")
+        raise no_requests(str(path), bad)
     duration = last - first
     hashed: dict[str, Any] | None = None
     if blocks:
@@ -1117,12 +1116,14 @@ def _write_parquet(records: Iterable[TraceRecord], path: Path, source: str) -> i
 
 
 def write_records(records: Iterable[TraceRecord], path: str | os.PathLike[str], fmt: str, *,
-                  source: str = "input", overwrite: bool = False) -> tuple[int, int | None]:
+                  source: str = "input", overwrite: bool = False,
+                  bad: BadLines | None = None) -> tuple[int, int | None]:
     """Write ``records`` to ``path`` in ``fmt`` (one of :data:`WRITABLE_FORMATS`), atomically.
 
     Returns ``(records written, block_tokens of a Mooncake file or None)``.
-    ``source`` names the input in errors about a record. On any error the
-    target is left as it was.
+    ``source`` names the input in errors about a record; ``bad``, the lines
+    the reader skipped (for the error when none was left). No record is bad
+    input (:func:`no_requests`). On any error the target is left as it was.
     """
     p = Path(path)
     if fmt not in WRITABLE_FORMATS:
@@ -1132,12 +1133,31 @@ def write_records(records: Iterable[TraceRecord], path: str | os.PathLike[str], 
     if p.is_dir():
         raise InputError(str(path), "", "is a directory", "a file path")
     with _atomic_path(p) as tmp:
+        block_tokens: int | None = None
         if fmt == "parquet":
-            return _write_parquet(records, tmp, source), None
-        with tmp.open("w", encoding="utf-8", newline="") as f:
-            if fmt == "csv":
-                return _write_csv(records, f), None
-            return _write_mooncake(records, f, source)
+            n = _write_parquet(records, tmp, source)
+        else:
+            with tmp.open("w", encoding="utf-8", newline="") as f:
+                n, block_tokens = (_write_csv(records, f), None) if fmt == "csv" else \
+                    _write_mooncake(records, f, source)
+        if n == 0:   # an empty trace is refused here as everywhere else (stats, run): nothing is written
+            raise no_requests(source, bad)
+    return n, block_tokens
+
+
+def no_requests(source: str, bad: BadLines | str | None = None, *,
+                skip_option: str = "--skip-bad") -> InputError:
+    """``FILE: no requests (why)``: an empty trace is bad input (a run, the statistics, a
+    conversion), never an "ok" run of 0 requests. ``bad``: the lines ``skip_option``
+    skipped (all of them, then), or the reason in words."""
+    if isinstance(bad, str):
+        why = bad
+    elif bad is not None and bad.count:
+        why = (f"every line was bad: {bad.count} bad line{'s' if bad.count != 1 else ''} "
+               f"skipped by {skip_option}")
+    else:
+        why = "the file has no request line"
+    return InputError(source, "", f"no requests ({why})", "a trace with at least one request")
 
 
 def convert_trace(src: str | os.PathLike[str], dst: str | os.PathLike[str], src_fmt: str | None = None,
@@ -1149,7 +1169,7 @@ def convert_trace(src: str | os.PathLike[str], dst: str | os.PathLike[str], src_
     fmt = src_fmt or detect_format(src)
     out_fmt = dst_fmt or output_format(dst)
     records = iter_records(src, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens)
-    return write_records(records, dst, out_fmt, source=str(src), overwrite=overwrite)
+    return write_records(records, dst, out_fmt, source=str(src), overwrite=overwrite, bad=bad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1352,12 +1372,24 @@ def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, u
             return target, False
         raise InputError(str(target), "", f"cached copy does not match ({problem})",
                          f"kvsim trace fetch {name} --force to download it again")
+    # results imports scenario, which imports this module: its folder helpers are imported here
+    from sim.io.results import make_folder, remove_created  # noqa: PLC0415
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(str(folder), "", f"cannot create the cache folder ({exc.strerror or exc})",
-                         "a writable folder (--cache-dir DIR or $KVSIM_CACHE)") from exc
-    src = url or spec.url
+        created = make_folder(folder)   # removed again when the download fails: nothing half made
+    except InputError as exc:
+        raise InputError(str(folder), "", f"cannot create the cache folder ({exc.problem.split(': ')[-1]})",
+                         "a writable folder (--cache-dir DIR or $KVSIM_CACHE)") from None
+    try:
+        _download(name, spec, src=url or spec.url, folder=folder, target=target, timeout_s=timeout_s)
+    except BaseException:
+        remove_created(created)
+        raise
+    return target, True
+
+
+def _download(name: str, spec: KnownTrace, *, src: str, folder: Path, target: Path, timeout_s: float) -> None:
+    """Stream ``src`` into a temporary file in ``folder``, check its digests, rename it onto ``target``."""
     allowed = (f"a reachable URL serving the published {spec.filename} (check the connection, pass "
                f"--url MIRROR, or copy the file into {folder})")
     with _atomic_path(target, str(folder)) as tmp:
@@ -1380,4 +1412,3 @@ def fetch_trace(name: str, cache_dir: str | os.PathLike[str] | None = None, *, u
         problem = _digest_problem(tmp, spec)
         if problem is not None:
             raise InputError(name, "", f"download failed ({problem}; from {src})", allowed)
-    return target, True

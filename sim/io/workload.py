@@ -98,7 +98,14 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
-from sim.io.traces import BadLines, detect_format, iter_mooncake_records, iter_records, trace_has_requests
+from sim.io.traces import (
+    BadLines,
+    detect_format,
+    iter_mooncake_records,
+    iter_records,
+    no_requests,
+    trace_has_requests,
+)
 from sim.model.request import Request
 
 __all__ = [
@@ -292,7 +299,7 @@ def iter_mooncake(path: str | Path, tokens_per_hash: int, *, limit: int | None =
     if not Path(path).exists():
         raise InputError(source, "", "no such file", "a Mooncake JSONL trace")
     if limit != 0 and not trace_has_requests(path, "mooncake"):
-        raise _no_requests(source, "the file has no request line")
+        raise no_requests(source)
     records = iter_mooncake_records(path, block_tokens)
     return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix)
 
@@ -330,14 +337,10 @@ def iter_trace(path: str | Path, tokens_per_hash: int, *, fmt: str | None = None
         raise InputError(source, "limit", f"{limit!r}", "None or an integer >= 0")
     records = iter_records(path, fmt, skip_bad=skip_bad, bad=bad, block_tokens=block_tokens)
     if limit != 0 and Path(path).is_file() and not trace_has_requests(path, fmt or detect_format(path)):
-        raise _no_requests(source, "the file has no request line")
+        raise no_requests(source)
     return _trace_stream(records, source, tokens_per_hash, limit, float(time_scale), id_prefix,
                          bad if isinstance(bad, BadLines) else None)
 
-
-def _no_requests(source: str, why: str) -> InputError:
-    """``FILE: no requests (why)``: an empty trace is bad input, never an "ok" run of 0 requests."""
-    return InputError(source, "", f"no requests ({why})", "a trace with at least one request")
 
 
 def _trace_stream(records: Iterator[Any], source: str, tph: int, limit: int | None, time_scale: float,
@@ -361,8 +364,7 @@ def _trace_stream(records: Iterator[Any], source: str, tph: int, limit: int | No
             return
     if index < 0:
         skipped = bad.count if bad is not None else 0
-        raise _no_requests(source, f"every line was bad: {skipped} bad line{'s' if skipped != 1 else ''} "
-                           "skipped by skip_bad" if skipped else "the trace holds no request")
+        raise no_requests(source, bad if skipped else "the trace holds no request", skip_option="skip_bad")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -583,6 +583,21 @@ def test_convert_failure_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFi
                      f"{tmp_path / 'nodir' / 'o.csv'}: cannot write")
 
 
+def test_convert_of_a_trace_with_no_request_writes_nothing(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``trace stats`` and ``run`` say of the same input: no requests, exit 2, no file."""
+    empty = write(tmp_path, "empty.jsonl", [])
+    all_bad = write(tmp_path, "bad.jsonl", ["{broken", "{broken"])
+    for suffix in (".csv", ".parquet", ".jsonl"):
+        dst = tmp_path / "out" / f"o{suffix}"
+        dst.parent.mkdir(exist_ok=True)
+        assert_cli_error(capsys, ["trace", "convert", str(empty), str(dst)],
+                         f"{empty}: no requests (the file has no request line)", "at least one request")
+        assert_cli_error(capsys, ["trace", "convert", "--skip-bad", str(all_bad), str(dst)],
+                         f"{all_bad}: no requests (every line was bad: 2 bad lines skipped by --skip-bad)")
+        assert list(dst.parent.iterdir()) == []
+
+
 def test_convert_block_size_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = csv_file(tmp_path, [crow("0", 100, 1, "0 1 2 3 4 5 6", 16), crow("1", 100, 1, "0 1 2 3 4 5 7", 16)])
     dst = tmp_path / "o.jsonl"
@@ -696,11 +711,15 @@ def test_fetch_failures_leave_nothing(http_server: tuple[str, dict[str, bytes]],
     if case == "blob-mismatch":
         monkeypatch.setitem(traces.KNOWN_TRACES, spec.name,
                             KnownTrace(spec.name, spec.filename, spec.url, None, spec.git_blob, "test"))
-    cache = tmp_path / "cache"
+    cache = tmp_path / "cache" / "traces"
     err = assert_cli_error(capsys, ["trace", "fetch", "test-trace", "--cache-dir", str(cache), "--url", url],
                            "test-trace:", want)
     assert "; allowed: " in err
-    assert not cache.exists() or list(cache.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []   # the folders it made for the cache are gone too
+    cache.mkdir(parents=True)   # a cache folder that was there stays, empty
+    assert_cli_error(capsys, ["trace", "fetch", "test-trace", "--cache-dir", str(cache), "--url", url],
+                     "test-trace:", want)
+    assert cache.is_dir() and list(cache.iterdir()) == []
 
 
 def test_fetch_default_cache_dir_and_names(http_server: tuple[str, dict[str, bytes]], tmp_path: Path,
