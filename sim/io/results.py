@@ -87,6 +87,8 @@ __all__ = [
     "check_replaceable",
     "clean_leftovers",
     "concat_frames",
+    "duration_text",
+    "durations_text",
     "find_incomplete",
     "find_unreadable",
     "key_table",
@@ -852,6 +854,16 @@ def duration_text(value: Any, *, seconds: bool | None = None) -> str:
     return f"{value:.2f} s" if in_s else f"{1000 * value:.1f} ms"
 
 
+def durations_text(values: Iterable[Any], missing: str = "-") -> str:
+    """Durations (seconds) that one line shows side by side (``p50 / p90 / p99``), in one
+    unit: s when the largest is 10 s or more, else ms (:func:`duration_text`); ``missing``
+    for a None."""
+    vals = list(values)
+    known = [v for v in vals if v is not None]
+    in_s = bool(known) and max(known) >= 10
+    return " / ".join(missing if v is None else duration_text(v, seconds=in_s) for v in vals)
+
+
 
 def _load_text(load: dict[str, Any] | None) -> str:
     """The steady-state verdict in one cell (older summaries have none)."""
@@ -910,8 +922,8 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             ("recompute saved", _pct(summary["recompute_saved"])),
             ("load", _load_text(summary.get("load"))),
             ("TTFT p50 / p90 / p99" + (" (served)" if req.get("rejected") else ""),
-             " / ".join(duration_text(ttft.get(f"p{q}")) for q in (50, 90, 99))),
-            ("TPOT mean / p50", f"{duration_text(tpot.get('mean'))} / {duration_text(tpot.get('p50'))}"),
+             durations_text(ttft.get(f"p{q}") for q in (50, 90, 99))),
+            ("TPOT mean / p50", durations_text((tpot.get("mean"), tpot.get("p50")))),
             ("throughput", f"{_fmt(thr['requests_per_s'], '.2f', ' req/s')}, "
                            f"{_fmt(thr['output_tokens_per_s'], '.1f', ' output tok/s')}"),
             ("bytes moved H2D / D2H", f"{human_bytes(tr['h2d_bytes'])} / {human_bytes(tr['d2h_bytes'])}"),
@@ -928,8 +940,7 @@ def summary_table(summary: dict[str, Any], folder: Path | str | None = None) -> 
             with_rej = summary.get("ttft_s_with_rejected", {})
             rows.insert(next(i for i, r in enumerate(rows) if r[0].startswith("TPOT")),
                         ("TTFT p50 / p90 / p99 (rejected = never)",
-                         " / ".join(duration_text(with_rej.get(f"p{q}")) if with_rej.get(f"p{q}") is not None
-                                    else "never" for q in (50, 90, 99))))
+                         durations_text((with_rej.get(f"p{q}") for q in (50, 90, 99)), missing="never")))
         wl = summary.get("workload")
         if wl is not None:
             text = str(wl["bad_lines_skipped"])

@@ -98,7 +98,7 @@ from sim.io.results import (
     check_replaceable,
     clean_floats,
     clean_leftovers,
-    duration_text,
+    durations_text,
     load_results,
     make_folder,
     move_into_place,
@@ -812,7 +812,7 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, ...]]:
         if what == "bytes":
             return f"{human_bytes(f['bytes']['h2d'])} / {human_bytes(f['bytes']['d2h'])}"
         if what == "ttft":
-            return " / ".join(duration_text(f["ttft_s"].get(f"p{q}")) for q in (50, 90, 99))
+            return durations_text(f["ttft_s"].get(f"p{q}") for q in (50, 90, 99))
         if what == "load":
             if f.get("overloaded") is None:
                 return "-"
@@ -820,7 +820,7 @@ def _rows(figures: dict[str, Any]) -> list[tuple[str, ...]]:
             return (f"{'OVERLOADED' if f['overloaded'] else 'stable'} (queue {ld.get('queue_trend')}, "
                     f"peak {ld.get('peak_waiting')})")
         if what == "tpot":
-            return f"{duration_text(f['tpot_s'].get('mean'))} / {duration_text(f['tpot_s'].get('p50'))}"
+            return durations_text((f["tpot_s"].get("mean"), f["tpot_s"].get("p50")))
         thr = f["throughput"]
         rps, tps = thr.get("requests_per_s"), thr.get("output_tokens_per_s")
         return f"{'-' if rps is None else f'{rps:.2f}'} req/s, {'-' if tps is None else f'{tps:.1f}'} tok/s"

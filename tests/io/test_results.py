@@ -288,3 +288,12 @@ def test_parquet_from_typed_buffers_is_byte_identical_to_parquet_from_lists(tmp_
         a = (folders["buffers"] / f"{table}.parquet").read_bytes()
         assert a == (folders["lists"] / f"{table}.parquet").read_bytes(), table
         assert pq.read_table(folders["buffers"] / f"{table}.parquet").num_rows == 11
+
+
+def test_durations_on_one_line_keep_one_unit():
+    """A run's TTFT p50 / p90 / p99 once read ``8173.2 ms / 31.76 s / 44.67 s``: one line, one unit."""
+    assert results.duration_text(8.1732) == "8173.2 ms" and results.duration_text(31.76) == "31.76 s"
+    assert results.durations_text([8.1732, 31.76, 44.67]) == "8.17 s / 31.76 s / 44.67 s"
+    assert results.durations_text([0.0375, 0.0536, 0.0611]) == "37.5 ms / 53.6 ms / 61.1 ms"
+    assert results.durations_text([None, 12.0], missing="never") == "never / 12.00 s"
+    assert results.durations_text([None, None]) == "- / -"
