@@ -19,7 +19,7 @@ import copy
 import itertools
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,6 +237,18 @@ def _absolute(key: str, value: Any, base: Path) -> Any:
     return value
 
 
+def _not_overridden(table: dict[str, Any], touched: Mapping[str, str]) -> dict[str, Any]:
+    """``table`` (a ``sweep.set`` or ``smoke.set``) without the keys ``--set`` overrode: the
+    recorded ``sweep.toml`` holds them in its base, so that it reruns the same points."""
+    return {k: v for k, v in table.items()
+            if not any(_overlap(k, t) for t in touched)}
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Dotted keys that set the same value: equal, or one a table holding the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
 def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = (),
                smoke: bool = False) -> Sweep:
     """Read a ``sweep/1`` file, expand and validate every point.
@@ -244,7 +256,9 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
     Args:
         path: the sweep file.
         overrides: ``--set`` items applied to the base (``"key=value"`` or
-            ``(option, "key=value")``); a swept key cannot be overridden.
+            ``(option, "key=value")``) and to every point after ``sweep.set``
+            and ``smoke.set`` (the command line wins); a swept key cannot be
+            overridden.
         smoke: keep the ``[smoke]`` selection and apply its ``set``.
 
     Raises:
@@ -312,7 +326,7 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
     touched = apply_overrides(base, overrides)
     swept = list(dict.fromkeys([k for pt in explicit for k in pt] + grid_keys))
     for key, option in touched.items():
-        hit = [k for k in swept if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
+        hit = [k for k in swept if _overlap(k, key)]
         if hit:
             raise InputError(option, key, f"swept by the sweep ({hit[0]})", "a key the sweep does not vary")
 
@@ -339,6 +353,8 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
         if smoke:
             for key, value in sm.set_.items():
                 _set_key(d, key, value, source, f"smoke.set.{_q(key)}")
+        if touched:   # the command line wins over the file's sweep.set and smoke.set, as over its base
+            apply_overrides(d, overrides)
         d["name"] = run_id
         spec = _build_point(d, p, touched, values, origin, index)
         if not smoke:  # the smoke selection may make points equal on purpose; the full sweep was checked
@@ -371,11 +387,12 @@ def read_sweep(path: str | Path, overrides: Sequence[str | tuple[str, str]] = ()
         sweep_doc["grid"] = {k: [_absolute(k, v, folder) for v in vs] for k, vs in grid}
     if sec.points is not None:
         sweep_doc["points"] = [{k: _absolute(k, v, folder) for k, v in pt.items()} for pt in sec.points]
-    if sec.set_:
-        sweep_doc["set"] = dict(sec.set_)
+    if sec.set_ and _not_overridden(sec.set_, touched):
+        sweep_doc["set"] = _not_overridden(sec.set_, touched)
     doc["sweep"] = sweep_doc
     if raw_smoke is not None:
-        doc["smoke"] = raw_smoke
+        doc["smoke"] = ({**raw_smoke, "set": _not_overridden(raw_smoke["set"], touched)}
+                        if isinstance(raw_smoke.get("set"), dict) else raw_smoke)
     doc["resolved"] = {"source": str(p.resolve()), "smoke": smoke, "kvsim_version": kvsim_version(),
                        "points": [{"point": pt.index, "run_id": pt.run_id} for pt in points]}
     head = ("# The sweep as run by kvsim sweep (base with --set applied, paths absolute); "

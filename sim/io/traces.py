@@ -1248,7 +1248,8 @@ def resolve_trace(name: str, *, source: str = "trace", key: str = "") -> Path:
     spec = KNOWN_TRACES.get(name)
     if spec is None:
         raise InputError(source, key, f"unknown trace name {name!r}",
-                         "one of " + ", ".join(KNOWN_TRACES) + " (kvsim trace fetch --help), or a path")
+                         "one of " + ", ".join(KNOWN_TRACES) + " (kvsim trace fetch --help); "
+                         "a trace file is named by workload.path instead")
     dirs = trace_search_dirs()
     for folder in dirs:
         for filename in (spec.filename, spec.filename + ".gz"):

@@ -95,6 +95,14 @@ set = { "workload.limit" = 5 }
     assert [p.index for p in smoke.points] == [0, 5, 11]
     assert [p.run_id for p in smoke.points] == [sw.points[i].run_id for i in (0, 5, 11)]
     assert all(p.spec.scenario.workload.limit == 5 for p in smoke.points)
+    # --set wins over the file's sweep.set and smoke.set, as over its base (it was ignored silently)
+    assert all(p.spec.scenario.workload.limit == 7 for p in read_sweep(f, ["workload.limit=7"]).points)
+    overridden = read_sweep(f, ["workload.limit=7"], smoke=True)
+    assert all(p.spec.scenario.workload.limit == 7 for p in overridden.points)
+    recorded = tmp_path / "recorded.toml"   # what the sweep folder keeps reruns the same points
+    recorded.write_text(overridden.text)
+    assert [p.resolved_toml for p in read_sweep(recorded, smoke=True).points] == \
+        [p.resolved_toml for p in overridden.points]
     assert validate_file(f) == ("sweep/1: 't', 12 points over seed, scheduler.max_num_seqs, "
                                 "cpu_cache.policy, scheduler.blocks_per_chunk; smoke: 3 points")
 
