@@ -111,6 +111,7 @@ from sim.engine.metrics import (
     TierOccupancyRow,
     TransferRow,
 )
+from sim.errors import InputError
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel, before_loads_s
 from sim.model.future import FutureUses
@@ -185,6 +186,10 @@ class EngineConfig(SchedulerConfig):
         if len(self.tier_links) != len(self.tiers):
             raise ValueError(f"{len(self.tiers)} tiers but {len(self.tier_links)} tier links")
 
+
+#: the occupancy rows one idle gap may take (an emptied engine waiting for its next request):
+#: beyond, the run is refused (:meth:`Engine._check_idle_gap`); about 11.6 days at 1 s
+MAX_IDLE_SAMPLES = 1_000_000
 
 #: why a run stopped before its end (``diverged``: the differential mode's first divergence;
 #: ``queue_limit``: the waiting queue reached ``stop_at_waiting``)
@@ -373,12 +378,33 @@ class Engine:
         """Nothing left to do once arrivals are over: no request, no transfer in flight or due."""
         return not self.sched.requests and not self.xfers and not self.deferred_stores and not self.tier_xfers
 
+    def _check_idle_gap(self) -> None:
+        """Refuse an idle gap that would take more than :data:`MAX_IDLE_SAMPLES` occupancy
+        rows (one per ``occupancy_interval_s`` until the next arrival, or the time limit):
+        a trace or rate whose next request comes that long after the engine emptied would
+        keep the run writing identical rows for hours. Bad input, said before the rows."""
+        if not self._drained():
+            return
+        limit = self.cfg.max_sim_time_s
+        end = min(self.next_arrival_s, math.inf if limit is None else limit)
+        iv = self.cfg.occupancy_interval_s
+        rows = (end - self.env.now) / iv
+        if math.isfinite(rows) and rows > MAX_IDLE_SAMPLES:
+            raise InputError(
+                "scenario", "output.occupancy_interval_s",
+                f"the next request arrives {end - self.env.now:.3g} s after the engine went idle at "
+                f"{self.env.now:.3g} s: {rows:.3g} occupancy rows of {iv:g} s while nothing happens",
+                f"idle gaps of at most {MAX_IDLE_SAMPLES:,} intervals: a larger output.occupancy_interval_s "
+                f"(at least {(end - self.env.now) / MAX_IDLE_SAMPLES:.3g} s), a denser workload "
+                "(rate, time_scale), or output.max_sim_time_s")
+
     def _wait_idle(self) -> Proc:
         """Sleep until kicked (or the time limit), still taking the occupancy
         samples that fall due meanwhile (an idle gap is drawn as it is, not as
         a ramp between two distant samples); a sample wakes no step."""
         env = self.env
         limit = self.cfg.max_sim_time_s
+        self._check_idle_gap()
         self._idle = idle = env.event()
         while True:
             due = self.next_tick

@@ -765,7 +765,8 @@ class CopyPathSection(Strict):
 class OutputSection(Strict):
     """``[output]``: what is recorded and when the run stops."""
 
-    occupancy_interval_s: float = Field(default=1.0, gt=0, description="occupancy sampling period")
+    occupancy_interval_s: float = Field(default=1.0, gt=0, description="occupancy sampling period (an idle "
+                                        "gap of more than 1,000,000 of them is refused)")
     max_sim_time_s: float | None = Field(default=None, gt=0,
                                          description="stop the run at this simulated time")
     stop_at_waiting: int | None = Field(

@@ -238,3 +238,19 @@ def test_bad_trace_line_found_while_running_creates_nothing(in_tmp: Path, capsys
     one_error_line(err, f"{trace}:line 3: ")
     assert sorted(p.name for p in in_tmp.iterdir()) == ["results", "s.toml", "t.jsonl"]
     assert list((in_tmp / "results").iterdir()) == []
+
+
+def test_an_idle_gap_of_millions_of_samples_is_refused_before_the_rows(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """One session every 30 years: the run would write an occupancy row a second for
+    the gap. It is refused in one line (naming the interval) before anything is written,
+    and runs once the interval, or a time limit, bounds the rows."""
+    out = tmp_path / "r"
+    rare = ["--set", "workload.session_rate_per_s=1e-9", "--set", "workload.limit=3", "-q"]
+    code, _, err = run(["run", str(DEFAULT), "--out", str(out), *rare], capsys)
+    assert code == 2 and "output.occupancy_interval_s" in err and "occupancy rows" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    code, _, _ = run(["run", str(DEFAULT), "--out", str(out), *rare, "--set", "output.max_sim_time_s=120"],
+                     capsys)
+    assert code == 0 and json.loads((out / "summary.json").read_text())["end"] == "time_limit"
