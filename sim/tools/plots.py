@@ -268,6 +268,33 @@ def _line_style(i: int) -> Any:
     return (0, (2 + k, 2, 1, 2))
 
 
+def _dash_period(linestyle: Any) -> float:
+    """One period of a line style's dash pattern, in line widths (matplotlib scales dashes by
+    the line width; ``lines.scale_dashes``); 0 for a solid line."""
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+
+    if isinstance(linestyle, tuple):
+        return float(sum(linestyle[1] or ()))
+    rc = {"--": "lines.dashed_pattern", "dashed": "lines.dashed_pattern", ":": "lines.dotted_pattern",
+          "dotted": "lines.dotted_pattern", "-.": "lines.dashdot_pattern", "dashdot": "lines.dashdot_pattern"}
+    key = rc.get(linestyle) if isinstance(linestyle, str) else None
+    return 0.0 if key is None else float(sum(cast(Any, matplotlib.rcParams)[key]))
+
+
+def _handle_length(drawn: Sequence[tuple[Any, float]]) -> float:
+    """A legend ``handlelength`` (in font sizes) that shows at least one whole period, with a
+    quarter to spare, of every ``(line style, line width)`` drawn in it: matplotlib's default
+    of 2 font sizes (16 pt) shows only the first dash of a long pattern such as
+    ``(0, (8, 2, 2, 2, 2, 2))`` (23 pt at 1.3 pt wide), which then reads as a solid line."""
+    import matplotlib  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+    from matplotlib.font_manager import FontProperties  # noqa: PLC0415 -- matplotlib loads only when a figure is drawn
+
+    scale = bool(matplotlib.rcParams["lines.scale_dashes"])
+    need_pt = max((_dash_period(ls) * (lw if scale else 1.0) for ls, lw in drawn), default=0.0)
+    font_pt = FontProperties(size=matplotlib.rcParams["legend.fontsize"]).get_size_in_points()
+    return max(2.0, math.ceil(2.0 * 1.25 * need_pt / font_pt) / 2.0)
+
+
 def _gib(nbytes: float) -> str:
     v = nbytes / _GIB
     return f"{v:g} GiB" if abs(v - round(v)) < 1e-9 or v >= 100 else f"{v:.3g} GiB"
@@ -612,6 +639,10 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
         axes[0][col].yaxis.set_major_locator(_int_locator())
         for row in range(3):
             axes[row][col].tick_params(labelleft=True)
+    # the two cumulative rows keep their legends in the upper left: raise each row's y limit
+    # so that its curves (0 .. the row's largest value) stay below every legend box, whatever
+    # their shape (a curve that rises early would run under the box)
+    _room_for_legends(fig, [(axes[0], float(top_count)), (axes[1], top_tokens)])
     div = figures.get("diverged", {})
     base = runs[names[1]].scenario or runs[names[0]].scenario
     head = run_title(base, logic=f"{' vs '.join(lg.upper() for lg in names)} logic")
@@ -629,6 +660,24 @@ def old_vs_new(compare: str | Path, *, runs: dict[str, RunResults] | None = None
     fig.suptitle("\n".join([f"{head}", f"same {div.get('requests', '?')} requests, {'; '.join(differ)}",
                              *notes]))
     return fig
+
+
+def _room_for_legends(fig: Figure, rows: Sequence[tuple[Any, float]], pad: float = 0.04) -> None:
+    """Raise the shared y limit (from 0) of each ``(axes of one row, largest y drawn)`` so that
+    the data stays ``pad`` (axes fraction) below the lowest legend box of the row. Lays the
+    figure out once (constrained layout places the axes, so the boxes' heights are known);
+    the boxes keep their height in axes fraction when only the y limits change."""
+    fig.draw_without_rendering()
+    for row_axes, top in rows:
+        boxes = [ax.get_legend().get_window_extent().transformed(ax.transAxes.inverted()).y0
+                 for ax in row_axes if ax.get_legend() is not None]
+        if not boxes or top <= 0:
+            continue
+        lowest = min(boxes) - pad
+        if lowest <= 0.2:      # a legend taller than most of the panel: leave the limit alone
+            continue
+        lo, hi = row_axes[0].get_ylim()
+        row_axes[0].set_ylim(lo, max(hi, lo + (top - lo) / lowest))
 
 
 def compare_folder_logics(figures: dict[str, Any]) -> tuple[str, ...]:
@@ -1015,7 +1064,9 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
 
     Policies (and any other varying parameter) differ by colour, CPU cache sizes
     by line style, so no two lines look alike. Up to 14 lines the legend names
-    each line; beyond, it names the colours and the line styles once each.
+    each line; beyond, it names the colours and the line styles once each. Every
+    legend handle is long enough to show a whole period of its dash pattern, so
+    no dashed style reads as solid there.
 
     Args:
         sweep: a sweep folder, a :func:`sim.load_sweep` result, or its ``sweep.parquet`` as a DataFrame (then
@@ -1034,6 +1085,7 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
     series = _series(df, keys, style_key="cpu_cache_bytes") if len(df) else []
     colours: dict[str, str] = {}
     styles: dict[str, Any] = {}
+    drawn: list[tuple[Any, float]] = []   # (line style, width) of every line, for the legend's handles
     overloaded = 0
     for label, rows, style, (colour_name, style_name) in series:
         for j in range(len(rows)):
@@ -1050,18 +1102,23 @@ def ttft_cdfs(sweep: Any, root: str | Path | None = None) -> Figure:
                 lab += " [OVERLOADED]"
             _draw_cdf(ax, xs, color=style["color"], linestyle=style["linestyle"],
                       linewidth=0.8 if over else 1.3, alpha=0.45 if over else 1.0, label=lab)
+            drawn.append((style["linestyle"], 0.8 if over else 1.3))
             overloaded += over
         colours.setdefault(colour_name, style["color"])
         if style_name:
             styles.setdefault(style_name, style["linestyle"])
     _cdf_axes(ax, samples)
     legend_title = ", ".join(_key_name(k) for k in keys) or None
+    # every handle long enough to show a whole period of its dash pattern (_handle_length)
     if ax.lines and len(ax.lines) <= 14:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title=legend_title)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title=legend_title,
+                  handlelength=_handle_length(drawn))
     elif ax.lines:
-        handles = [Line2D([], [], color=c, label=name) for name, c in colours.items()]
-        handles += [Line2D([], [], color="#555555", linestyle=ls, label=name) for name, ls in styles.items()]
+        handles = [Line2D([], [], color=c, linewidth=1.3, label=name) for name, c in colours.items()]
+        handles += [Line2D([], [], color="#555555", linestyle=ls, linewidth=1.3, label=name)
+                    for name, ls in styles.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  handlelength=_handle_length([(ls, 1.3) for ls in styles.values()]),
                   ncol=2 if len(handles) > 16 else 1,
                   title="colour: " + (", ".join(_key_name(k) for k in keys if k != "cpu_cache_bytes") or "-")
                   + ("\nline style: CPU cache" if styles else ""))

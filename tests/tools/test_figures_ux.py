@@ -89,6 +89,33 @@ def test_ttft_cdfs_lines_differ_by_colour_and_style(tmp_path: Path, sizes: list[
     assert all(len(v) == 1 for v in by_size.values()) and len(by_size) == len(sizes)
 
 
+@pytest.mark.parametrize(("sizes", "policies"), [
+    ([0, 256, 512, 1024, 1536], ["lru"]),                       # one legend entry per line
+    ([0, 256, 512, 1024, 1536], ["lru", "arc", "belady"]),      # 15 lines: colours and styles once each
+    (list(range(1, 15)), ["lru", "arc"]),                       # 28 lines: the generated dash patterns too
+])
+def test_ttft_cdfs_legend_handles_are_distinguishable(tmp_path: Path, sizes: list[int],
+                                                      policies: list[str]) -> None:
+    """Every legend handle shows a whole period of its dash pattern (a long pattern cut after
+    its first dash reads as solid: "0 GiB" and "1536 GiB" looked alike), and no two handles
+    share a (colour, dash pattern)."""
+    df = fake_sweep(tmp_path, sizes, policies)
+    fig = plots.ttft_cdfs(df, root=tmp_path)
+    leg = fig.axes[0].get_legend()
+    handle_pt = leg.handlelength * leg.prop.get_size_in_points()
+    handles = [h for h in leg.legend_handles if h is not None]
+    assert len(handles) == (len(df) if len(df) <= 14 else len(sizes) + len(policies))
+    # (offset, on-off sequence) as drawn: scaled by the line width, so in points; None: solid
+    dashes = [getattr(h, "_dash_pattern", (0, None))[1] for h in handles]
+    assert sum(d is not None for d in dashes) == len(sizes) - 1        # every size but the first is dashed
+    for h, d in zip(handles, dashes, strict=True):
+        period_pt = sum(d or ())
+        assert period_pt < handle_pt, (f"{h.get_label()}: a dash period of {period_pt:.1f} pt in a "
+                                       f"{handle_pt:.1f} pt legend handle")
+    looks = [_look(h) for h in handles]
+    assert len(set(looks)) == len(looks), "two legend handles look alike"
+
+
 def test_hit_rate_log2_axis_with_zero_apart(tmp_path: Path) -> None:
     df = fake_sweep(tmp_path, [0, 64, 128, 256, 512], ["lru", "arc"])
     fig = plots.hit_rate_vs_cpu(df)

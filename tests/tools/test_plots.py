@@ -231,6 +231,21 @@ def test_compare_figure(folders: dict[str, Path]) -> None:
     assert "OLD vs NEW logic" in _texts(fig)
 
 
+def test_compare_figure_legends_cover_no_curve(folders: dict[str, Path]) -> None:
+    """The cumulative rows (failures, tokens loaded) keep their legend in the upper left: every
+    curve stays below the legend box, whatever its shape (one that rises early ran under it)."""
+    fig = plots.old_vs_new(folders["compare"])
+    fig.draw_without_rendering()
+    for ax in fig.axes[:4]:                                   # rows 0 and 1, both columns
+        box = ax.get_legend().get_window_extent().transformed(ax.transAxes.inverted())
+        for line in ax.get_lines():
+            ys = np.asarray(line.get_ydata(), dtype=float)
+            if not len(ys):
+                continue
+            top = ax.transLimits.transform((0.0, float(np.nanmax(ys))))[1]   # axes fraction
+            assert top < box.y0, f"{ax.get_title()}: {line.get_label()} reaches under the legend"
+
+
 def test_sweep_figures(folders: dict[str, Path]) -> None:
     table = pd.read_parquet(folders["sweep"] / "sweep.parquet")
     fig = plots.hit_rate_vs_cpu(folders["sweep"])
