@@ -64,6 +64,7 @@ from sim.io.results import (
     make_folder,
     out_error,
     remove_created,
+    result_kind,
     temp_beside,
 )
 from sim.tools.sweep import SweepResults, load_sweep
@@ -1139,15 +1140,11 @@ def folder_kind(folder: str | Path) -> str:
     Raises:
         InputError: the folder is none of the three.
     """
-    p = Path(folder)
-    if (p / "sweep.parquet").is_file():
-        return "sweep"
-    if (p / "compare.json").is_file():
-        return "compare"
-    if (p / "summary.json").is_file():
-        return "run"
-    raise InputError(str(p), "", "not a results folder (no sweep.parquet, compare.json or summary.json)",
-                     "a folder written by kvsim run, kvsim compare or kvsim sweep")
+    kind = result_kind(folder)
+    if kind is None:
+        raise InputError(str(folder), "", "not a results folder (no sweep.parquet, compare.json or "
+                         "summary.json)", "a folder written by kvsim run, kvsim compare or kvsim sweep")
+    return kind
 
 
 def write_plots(folder: str | Path, out: str | Path | None = None,
