@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["InputError"]
+__all__ = ["THE_SCENARIO", "InputError"]
+
+#: the source of an :class:`InputError` raised where the scenario's file is not known (the
+#: engine, while running it): whoever runs it puts the file's name in its place
+THE_SCENARIO = "<scenario>"
 
 
 class InputError(Exception):

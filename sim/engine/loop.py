@@ -111,7 +111,7 @@ from sim.engine.metrics import (
     TierOccupancyRow,
     TransferRow,
 )
-from sim.errors import InputError
+from sim.errors import THE_SCENARIO, InputError
 from sim.model.connector import LoadPlan, StorePlan
 from sim.model.costs import ZERO_TRANSFER, TransferModel, before_loads_s
 from sim.model.future import FutureUses
@@ -391,7 +391,7 @@ class Engine:
         rows = (end - self.env.now) / iv
         if math.isfinite(rows) and rows > MAX_IDLE_SAMPLES:
             raise InputError(
-                "scenario", "output.occupancy_interval_s",
+                THE_SCENARIO, "output.occupancy_interval_s",
                 f"the next request arrives {end - self.env.now:.3g} s after the engine went idle at "
                 f"{self.env.now:.3g} s: {rows:.3g} occupancy rows of {iv:g} s while nothing happens",
                 f"idle gaps of at most {MAX_IDLE_SAMPLES:,} intervals: a larger output.occupancy_interval_s "

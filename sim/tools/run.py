@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from sim.engine.loop import simulate
 from sim.engine.metrics import OPTIONAL_TABLES, TABLES, Recorder
-from sim.errors import InputError
+from sim.errors import THE_SCENARIO, InputError
 from sim.io.check import write_reproducers
 from sim.io.results import ParquetSink, RunWriter, clean_floats, out_error
 from sim.io.scenario import HARDWARE_WARNINGS_KEY, RunSpec
@@ -340,6 +340,8 @@ def execute(spec: RunSpec, writer: RunWriter, *, progress: Callable[[int, float]
         sink.close()
     except BaseException as exc:
         bad_input = exc if isinstance(exc, InputError) else requests.error
+        if bad_input is not None and bad_input.source == THE_SCENARIO:   # raised by the engine: name the file
+            bad_input = InputError(str(spec.source), bad_input.key, bad_input.problem, bad_input.allowed)
         if bad_input is None and sink is not None and sink.error is not None:
             bad_input = out_error(writer.target, sink.error)  # a full disk: the output failed, not the run
         if bad_input is not None or sink is None:  # nothing is left behind

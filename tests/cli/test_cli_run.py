@@ -248,7 +248,7 @@ def test_an_idle_gap_of_millions_of_samples_is_refused_before_the_rows(tmp_path:
     out = tmp_path / "r"
     rare = ["--set", "workload.session_rate_per_s=1e-9", "--set", "workload.limit=3", "-q"]
     code, _, err = run(["run", str(DEFAULT), "--out", str(out), *rare], capsys)
-    assert code == 2 and "output.occupancy_interval_s" in err and "occupancy rows" in err
+    assert code == 2 and f"{DEFAULT}:output.occupancy_interval_s: " in err and "occupancy rows" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
     code, _, _ = run(["run", str(DEFAULT), "--out", str(out), *rare, "--set", "output.max_sim_time_s=120"],
