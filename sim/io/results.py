@@ -14,6 +14,9 @@ Life cycle (every command that writes a folder: run, compare, sweep, plot)
     * work happens in a hidden temporary folder beside the target
       (``.<name>.tmp-<pid>``); the target appears, or is replaced, by rename
       (:func:`move_into_place`) only when the work is done;
+    * ``--overwrite`` replaces only a folder kvsim wrote (a run, compare or
+      sweep folder: :func:`result_kind`); any other non-empty folder is refused
+      before any work (:func:`check_replaceable`);
     * a good result is never destroyed: a run that fails or is interrupted
       while a previous result sits at the target (``--overwrite``) is kept
       beside it as ``<name>.failed`` or ``<name>.interrupted`` (replacing an
