@@ -523,7 +523,7 @@ class RunWriter:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-@dataclass
+@dataclass(eq=False)   # DataFrame fields have no truth value: identity, not a ValueError
 class RunResults:
     """A run folder read back.
 
@@ -757,10 +757,22 @@ def with_keys(keys: Any, table: Any) -> Any:
     return out
 
 
-def read_table(folder: Path, table: str) -> Any:
-    """``<folder>/<table>.parquet`` as a ``pyarrow.Table``; empty (with the table's schema) when missing."""
+def read_table(folder: Path, table: str, ok: bool = False) -> Any:
+    """``<folder>/<table>.parquet`` as a ``pyarrow.Table``; empty (with the table's schema) when
+    missing from a run that is not ok (a failed run may have written none).
+
+    Raises:
+        InputError: the file is missing from an ok run (its ``summary.json`` says so,
+            or ``ok``: the caller knows it, as a sweep of its points), or cannot be read.
+    """
     f = folder / f"{table}.parquet"
-    return read_parquet(f) if f.is_file() else arrow_schema(table).empty_table()
+    if f.is_file():
+        return read_parquet(f)
+    if ok and table not in OPTIONAL_TABLES:
+        raise InputError(str(f), "", "missing (an ok run writes every table)", RERUN)
+    if (missing := missing_table(folder)) is not None:
+        raise missing
+    return arrow_schema(table).empty_table()
 
 
 def concat_frames(tables: list[Any], empty: Any) -> Any:
@@ -771,11 +783,15 @@ def concat_frames(tables: list[Any], empty: Any) -> Any:
     return pa.concat_tables(tables, promote_options="default").to_pandas()
 
 
-def _folders(paths: str | Path | Iterable[str | Path]) -> list[Path]:
-    return [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+def _folders(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """One folder (a str or any path-like) or an iterable of them, as paths."""
+    if isinstance(paths, bytes):
+        raise InputError("argument", "paths", f"{paths!r} is bytes",
+                         "a folder as str or path, or a list of them")
+    return [Path(paths)] if isinstance(paths, str | os.PathLike) else [Path(p) for p in paths]
 
 
-def load_runs(paths: str | Path | Iterable[str | Path]) -> Any:
+def load_runs(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> Any:
     """Every request of some run folders as one long pandas DataFrame.
 
     Columns: ``run_id`` (the folder's name), ``run_dir`` (the path as given),
@@ -796,7 +812,7 @@ def load_runs(paths: str | Path | Iterable[str | Path]) -> Any:
     return concat_frames(tables, empty)
 
 
-def summaries(paths: str | Path | Iterable[str | Path]) -> Any:
+def summaries(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> Any:
     """One row per run folder: ``run_id``, ``run_dir``, ``name``, ``status``, ``error``,
     the resolved configuration, then ``summary.json`` flattened as in ``sweep.parquet``
     (:func:`sim.io.columns.flat_summary`; null for a failed run). A pandas DataFrame.

@@ -72,7 +72,6 @@ Reproducers
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -94,6 +93,7 @@ from tqdm import tqdm
 from sim.errors import InputError
 from sim.io.check import evaluate, load_check_file, parse_check, summarize
 from sim.io.results import (
+    RERUN,
     RunWriter,
     check_replaceable,
     clean_floats,
@@ -103,6 +103,8 @@ from sim.io.results import (
     make_folder,
     move_into_place,
     out_error,
+    read_json,
+    read_parquet,
     remove_created,
     temp_beside,
     write_json_atomic,
@@ -164,7 +166,7 @@ _SHOWN = 5
 _REPORT_SHOWN = 20
 
 
-@dataclass
+@dataclass(eq=False)   # DataFrame fields have no truth value: identity, not a ValueError
 class CompareResult:
     """A compare folder (written by :func:`compare_runs` or read by :func:`load_compare`).
 
@@ -192,6 +194,13 @@ class CompareResult:
     kept: Path | None = None
     logics: tuple[str, ...] = LOGICS
     diverged_pairs: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """One line a notebook can show (the dataclass's own printed every table and all of
+        ``compare.json``)."""
+        pairs = "".join(f", {k} {len(v):,}" for k, v in self.diverged_pairs.items())
+        return (f"CompareResult({str(self.path)!r}, status {self.status!r}, logics {'/'.join(self.logics)}; "
+                f"diverged rows: {self.logics[0]}-{self.logics[1]} {len(self.diverged):,}{pairs})")
 
     @property
     def report(self) -> Path:
@@ -745,19 +754,22 @@ def load_compare(path: str | Path) -> CompareResult:
     """Read a compare folder written by :func:`compare_runs` (``kvsim compare``).
 
     Raises:
-        InputError: ``path`` is not a compare folder (no ``compare.json``).
+        InputError: ``path`` is not a compare folder (no ``compare.json``), or a
+            file of it cannot be read (truncated or corrupt), naming the file.
     """
     folder = Path(path)
     f = folder / "compare.json"
     if not f.is_file():
         raise InputError(str(folder), "", "not a compare folder (no compare.json)",
                          "a folder written by kvsim compare")
-    figures = json.loads(f.read_text(encoding="utf-8"))
+    figures = read_json(f)
+    if not isinstance(figures, dict):
+        raise InputError(str(f), "", "not a JSON object", RERUN)
     names = compare_logics(figures)
 
     def table(name: str, pair: tuple[str, str]) -> Any:
         d = folder / name
-        return (pq.read_table(d) if d.is_file() else _diverged_schema(pair).empty_table()).to_pandas()
+        return (read_parquet(d) if d.is_file() else _diverged_schema(pair).empty_table()).to_pandas()
 
     return CompareResult(path=folder, runs={lg: folder / lg for lg in names}, figures=figures,
                          diverged=table("diverged.parquet", (names[0], names[1])),

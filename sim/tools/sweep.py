@@ -667,7 +667,7 @@ def _run_ray(ray: Any, tasks: list[dict[str, Any]], jobs: int | None, address: s
 # -- reading a sweep back -------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)   # a DataFrame field has no truth value: identity, not a ValueError
 class SweepResults:
     """A sweep folder read back.
 
@@ -682,6 +682,14 @@ class SweepResults:
     path: Path
     table: Any
     spec: dict[str, Any]
+
+    def __repr__(self) -> str:
+        """One line a notebook can show (the dataclass's own printed the table and all of
+        ``sweep.toml``)."""
+        status = self.table["status"].value_counts() if "status" in self.table.columns else {}
+        counts = ", ".join(f"{n} {k}" for k, n in status.items())
+        return (f"SweepResults({str(self.path)!r}, {len(self.table)} points ({counts or 'none run'}); "
+                f"swept: {', '.join(self.swept) or '-'})")
 
     @property
     def swept(self) -> list[str]:
@@ -729,9 +737,10 @@ class SweepResults:
         keys = keys.rename_columns(["run_status" if n == "status" else n for n in names])
         tables = []
         for i in range(len(t)):
-            if include_failed or str(t["status"].iloc[i]) == "ok":
-                folder = self.path / str(t["run_dir"].iloc[i])
-                tables.append(with_keys(keys.slice(i, 1), read_table(folder, "requests")))
+            ok = str(t["status"].iloc[i]) == "ok"
+            if include_failed or ok:
+                folder = self.path / str(t["run_dir"].iloc[i])   # an ok point's table must be there
+                tables.append(with_keys(keys.slice(i, 1), read_table(folder, "requests", ok=ok)))
         return concat_frames(tables, pa.schema([*keys.schema, *arrow_schema("requests")]))
 
 

@@ -5,6 +5,8 @@ back, and `kvsim export` (CSV beside the Parquet files)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -240,7 +242,6 @@ def test_export_and_plot_of_a_damaged_run_write_nothing(runs: list[Path], tmp_pa
                                                        capsys: pytest.CaptureFixture[str]):
     """A corrupt summary, a corrupt table or a table missing from an ok run: one line naming
     the file, exit 2, and no CSV or figure of the command left behind."""
-    import shutil
 
     run = tmp_path / "run"
     shutil.copytree(runs[0], run, ignore=shutil.ignore_patterns("*.csv"))
@@ -270,3 +271,40 @@ def test_a_run_read_back_shows_as_one_short_line(runs: list[Path]):
     assert "\n" not in text and len(text) < 300
     assert text.startswith(f"RunResults({str(runs[0])!r}, status 'ok'; rows: requests {len(r.requests):,}")
     assert f"steps {len(r.steps):,}" in text
+
+
+def test_tables_missing_from_ok_runs_are_errors_in_every_loader(runs: list[Path], sweep_dir: Path,
+                                                               tmp_path: Path):
+    """``load_runs`` and a sweep's ``requests()`` once returned no rows for an ok run whose
+    requests table was missing (``load_results`` refused it): a run vanished silently."""
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    (run / "requests.parquet").unlink()
+    with pytest.raises(InputError, match="missing") as info:
+        sim.load_runs([runs[1], run])
+    assert info.value.source == str(run / "requests.parquet")
+    sweep = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, sweep)
+    point = sweep / str(sim.load_sweep(sweep).table["run_dir"].iloc[1])
+    shutil.rmtree(point)   # an ok point's whole folder
+    with pytest.raises(InputError, match="missing") as info:
+        sim.load_sweep(sweep).requests()
+    assert info.value.source == str(point / "requests.parquet")
+
+
+def test_the_result_objects_compare_and_show_as_a_notebook_expects(runs: list[Path], sweep_dir: Path):
+    """``==`` between two loaded results raised pandas' ValueError; a sweep's repr printed
+    its table and all of sweep.toml. Identity comparison, and one short line each."""
+
+    a, b = sim.load_results(runs[0]), sim.load_results(runs[0])
+    assert a == a and a != b
+    sw = sim.load_sweep(sweep_dir)
+    assert sw == sw and sw != sim.load_sweep(sweep_dir)
+    text = repr(sw)
+    assert "\n" not in text and text.startswith(f"SweepResults({str(sweep_dir)!r}, 2 points (2 ok); swept: ")
+    # any path-like names one folder (a DirEntry, say), bytes are refused in one line
+    entry = next(e for e in os.scandir(runs[0].parent) if e.name == runs[0].name)
+    assert len(sim.load_runs(entry)) == len(sim.load_runs(runs[0]))
+    with pytest.raises(InputError, match="bytes"):
+        sim.load_runs(os.fsencode(runs[0]))

@@ -208,6 +208,16 @@ def test_old_crash_diverges_with_reproducer(spec6: Path, tmp_path: Path) -> None
     back = load_compare(res.path)
     assert list(back.diverged.columns) == list(DIVERGED_COLUMNS)
     assert back.diverged.how.tolist() == d.how.tolist()
+    assert repr(back) == (f"CompareResult({str(res.path)!r}, status 'ok', logics old/new; "
+                          "diverged rows: old-new 1)")
+    # a damaged compare folder is one InputError naming the file, not a raw JSON or Arrow error
+    for name, damage in (("compare.json", b"{"), ("compare.json", b"[]"), ("diverged.parquet", b"PAR1")):
+        bad = res.path.parent / f"damaged-{name}-{len(damage)}"
+        shutil.copytree(res.path, bad)
+        (bad / name).write_bytes(damage)
+        with pytest.raises(InputError) as info:
+            load_compare(bad)
+        assert info.value.source == str(bad / name)
     # the OLD run's reproducer is listed, with its event, and verified
     reps = res.figures["reproducers"]
     assert reps["new"] == []
