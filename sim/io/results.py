@@ -104,6 +104,7 @@ __all__ = [
     "pid_alive",
     "read_json",
     "read_parquet",
+    "read_run_table",
     "read_table",
     "read_toml",
     "remove_created",
@@ -589,7 +590,8 @@ def load_results(path: str | Path) -> RunResults:
     frames: dict[str, Any] = {}
     for table in TABLES:
         f = folder / f"{table}.parquet"
-        frames[table] = (read_parquet(f) if f.is_file() else arrow_schema(table).empty_table()).to_pandas()
+        data = read_run_table(f, table) if f.is_file() else arrow_schema(table).empty_table()
+        frames[table] = data.to_pandas()
     return RunResults(path=folder, summary=summary, scenario=scenario, run_info=run_info, **frames)
 
 
@@ -619,6 +621,22 @@ def read_parquet(path: Path | str, columns: list[str] | None = None) -> Any:
         return pq.read_table(path, columns=columns)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise unreadable(path, exc) from None
+
+
+def read_run_table(path: Path | str, table: str) -> Any:
+    """A run table's Parquet file (:func:`read_parquet`), checked to be that table: it holds
+    the table's first two columns (which tell the tables apart; a file written by an older
+    kvsim may lack later columns, never these).
+
+    Raises:
+        InputError: it cannot be read, or it holds another table.
+    """
+    data = read_parquet(path)
+    want = [name for name, _ in TABLES[table][:2]]
+    if not all(name in data.column_names for name in want):
+        raise InputError(str(path), "", f"not a {table} table (no {' or '.join(want)} column; it has "
+                         f"{', '.join(data.column_names[:3]) or 'no column'}...)", RERUN)
+    return data
 
 
 def read_json(path: Path | str) -> Any:
@@ -767,7 +785,7 @@ def read_table(folder: Path, table: str, ok: bool = False) -> Any:
     """
     f = folder / f"{table}.parquet"
     if f.is_file():
-        return read_parquet(f)
+        return read_run_table(f, table)
     if ok and table not in OPTIONAL_TABLES:
         raise InputError(str(f), "", "missing (an ok run writes every table)", RERUN)
     if (missing := missing_table(folder)) is not None:

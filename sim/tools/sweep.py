@@ -115,6 +115,7 @@ import pyarrow.parquet as pq
 from sim.errors import InputError
 from sim.io.columns import SUMMARY_KEYS, flat_summary, summary_arrays
 from sim.io.results import (
+    RERUN,
     RunWriter,
     arrow_schema,
     check_replaceable,
@@ -797,7 +798,10 @@ def load_sweep(path: str | Path) -> SweepResults:
                          "a folder written by kvsim sweep")
     spec_file = folder / "sweep.toml"
     spec = read_toml(spec_file) if spec_file.is_file() else {}
-    return SweepResults(path=folder, table=upgrade_table(read_parquet(table_file)).to_pandas(), spec=spec)
+    table = read_parquet(table_file)
+    if not all(c in table.column_names for c in ("point", "run_id", "run_dir")):
+        raise InputError(str(table_file), "", "not a sweep table (no point, run_id or run_dir column)", RERUN)
+    return SweepResults(path=folder, table=upgrade_table(table).to_pandas(), spec=spec)
 
 
 def sweep_table(sweep: Sweep, report: SweepReport) -> str:

@@ -308,3 +308,21 @@ def test_the_result_objects_compare_and_show_as_a_notebook_expects(runs: list[Pa
     assert len(sim.load_runs(entry)) == len(sim.load_runs(runs[0]))
     with pytest.raises(InputError, match="bytes"):
         sim.load_runs(os.fsencode(runs[0]))
+
+
+def test_a_table_file_holding_another_table_is_named(runs: list[Path], sweep_dir: Path, tmp_path: Path):
+    """A readable Parquet file of the wrong table was taken as the requests (steps' columns
+    under ``requests``), and a run's requests as a sweep table (a KeyError later)."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    shutil.copy(run / "steps.parquet", run / "requests.parquet")
+    for load in (sim.load_results, lambda p: sim.load_runs([p])):
+        with pytest.raises(InputError, match="not a requests table") as info:
+            load(run)
+        assert info.value.source == str(run / "requests.parquet")
+    fake = tmp_path / "fake-sweep"
+    fake.mkdir()
+    shutil.copy(runs[0] / "requests.parquet", fake / "sweep.parquet")
+    with pytest.raises(InputError, match="not a sweep table"):
+        sim.load_sweep(fake)
+    assert len(sim.load_sweep(sweep_dir).requests()) > 0   # the real ones read as before
