@@ -33,7 +33,6 @@ from sim.io.check import evaluate, json_dumps, load_check_file, prepare_check, s
 from sim.io.results import (
     RunWriter,
     find_incomplete,
-    find_unreadable,
     make_folder,
     remove_created,
     summary_table,
@@ -733,15 +732,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
                          "a folder written by kvsim run, kvsim compare or kvsim sweep")
     if (bad := find_incomplete(folder)) is not None:   # before any figure is drawn
         raise bad
-    try:
-        paths = write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr))
-    except InputError:
-        raise
-    except Exception:  # a file that cannot be read (truncated, corrupt): name it, or it is a kvsim bug
-        bad = find_unreadable(folder)
-        if bad is None:
-            raise
-        raise bad from None
+    paths = write_plots(folder, args.out, on_note=lambda s: print(f"kvsim: note: {s}", file=sys.stderr))
     for path in paths:
         print(path)
     return 0

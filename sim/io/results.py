@@ -66,7 +66,7 @@ import re
 import shutil
 import tomllib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +88,7 @@ __all__ = [
     "RunWriter",
     "arrow_schema",
     "check_replaceable",
+    "check_target",
     "clean_leftovers",
     "concat_frames",
     "duration_text",
@@ -352,6 +353,25 @@ def check_replaceable(target: Path) -> None:
                          "a new or empty folder, or a kvsim run, compare or sweep folder to replace")
 
 
+def check_target(target: Path, overwrite: bool, what: str, *, replace_any: bool = False) -> None:
+    """Refuse an output folder a run or compare must not write: a file, a non-empty folder
+    without ``overwrite``, or (unless ``replace_any``) one kvsim did not write
+    (:func:`check_replaceable`). ``what`` names the folder's kind in the message
+    (``"results"``, ``"compare"``).
+
+    Raises:
+        InputError: naming ``target``; nothing is created.
+    """
+    t = Path(target)
+    if t.exists() and not t.is_dir():
+        raise InputError(str(t), "", "exists and is not a folder", "a new or empty folder")
+    if t.is_dir() and any(t.iterdir()) and not overwrite:
+        raise InputError(str(t), "", f"{what} folder exists and is not empty",
+                         "a new or empty folder, or --overwrite")
+    if not replace_any:
+        check_replaceable(t)
+
+
 def out_error(path: Path | str, exc: OSError) -> InputError:
     """An output that cannot be written, as one line of bad input (``--out``)."""
     reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else "") or str(exc) or type(exc).__name__
@@ -434,13 +454,7 @@ class RunWriter:
                  clean: bool = True, replace_any: bool = False) -> None:
         self.target = Path(target)
         t = self.target
-        if t.exists() and not t.is_dir():
-            raise InputError(str(t), "", "exists and is not a folder", "a new or empty folder")
-        if t.is_dir() and any(t.iterdir()) and not overwrite:
-            raise InputError(str(t), "", "results folder exists and is not empty",
-                             "a new or empty folder, or --overwrite")
-        if not replace_any:
-            check_replaceable(t)
+        check_target(t, overwrite, "results", replace_any=replace_any)
         self.overwrite = overwrite
         self.aside = aside
         self.clean = clean
@@ -655,17 +669,22 @@ def read_toml(path: Path | str) -> dict[str, Any]:
         raise unreadable(path, exc) from None
 
 
-def find_unreadable(folder: Path | str) -> InputError | None:
+def _result_files(root: Path) -> list[Path]:
+    """The files of a results folder, subfolders included, hidden ones and ``plots`` not, sorted."""
+    return sorted(f for f in root.rglob("*")
+                  if not any(p.startswith(".") or p == "plots" for p in f.relative_to(root).parts)
+                  and f.is_file())
+
+
+def find_unreadable(folder: Path | str, files: Sequence[Path] | None = None) -> InputError | None:
     """The first file of a results folder (subfolders included, hidden ones and ``plots``
-    not) that cannot be read, as :func:`unreadable` says it; None when every file reads.
+    not; or of ``files``, listed already) that cannot be read, as :func:`unreadable`
+    says it; None when every file reads.
 
     For telling which file made a read fail after the fact: Parquet files are
     checked by their footer (what truncation breaks), JSON and TOML files in full.
     """
-    for f in sorted(Path(folder).rglob("*")):
-        parts = f.relative_to(folder).parts
-        if any(p.startswith(".") or p == "plots" for p in parts) or not f.is_file():
-            continue
+    for f in _result_files(Path(folder)) if files is None else files:
         try:
             if f.suffix == ".parquet":
                 pq.read_metadata(f)
@@ -704,13 +723,12 @@ def find_incomplete(folder: Path | str) -> InputError | None:
     a table (:func:`missing_table`), else a file that cannot be read (:func:`find_unreadable`);
     None when it is whole."""
     root = Path(folder)
-    runs = [root] if (root / "summary.json").is_file() else []
-    runs += sorted(f.parent for f in root.rglob("summary.json")
-                   if f.parent != root and not any(p.startswith(".") for p in f.relative_to(root).parts))
-    for run in runs:
+    files = _result_files(root)   # one walk for both checks
+    runs = [f.parent for f in files if f.name == "summary.json"]
+    for run in sorted(runs, key=lambda r: (r != root, r)):   # the folder itself first
         if (problem := missing_table(run)) is not None:
             return problem
-    return find_unreadable(root)
+    return find_unreadable(root, files)
 
 
 # -- many runs as one table (docs/columns.md) ---------------------------------------------

@@ -95,7 +95,7 @@ from sim.io.check import evaluate, load_check_file, parse_check, summarize
 from sim.io.results import (
     RERUN,
     RunWriter,
-    check_replaceable,
+    check_target,
     clean_floats,
     clean_leftovers,
     durations_text,
@@ -287,15 +287,6 @@ def _run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
         return list(pool.map(_run_logic, tasks))
 
 
-def _check_target(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise InputError(str(target), "", "exists and is not a folder", "a new or empty folder")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise InputError(str(target), "", "compare folder exists and is not empty",
-                         "a new or empty folder, or --overwrite")
-    check_replaceable(target)
-
-
 def compare_runs(spec_path: str | Path, out: str | Path | None = None,
                  overrides: Sequence[str | tuple[str, str]] = (), jobs: int | None = None,
                  progress: bool = False, *, overwrite: bool = False, verify_reproducers: bool = False,
@@ -338,7 +329,7 @@ def compare_runs(spec_path: str | Path, out: str | Path | None = None,
     specs = {lg: load_run(spec_path, _logic_overrides(overrides, lg)) for lg in names}
     spec = specs[names[0]]
     target = Path(out) if out is not None else default_target(spec.name)
-    _check_target(target, overwrite)
+    check_target(target, overwrite, "compare")
     previous = target.is_dir() and any(target.iterdir())
     created = make_folder(target.parent, target)
     clean_leftovers(target.parent)

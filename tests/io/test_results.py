@@ -121,13 +121,19 @@ def test_run_writer_writes_the_folder_and_leaves_no_temp(tmp_path: Path):
     assert text == json.dumps(summary, sort_keys=True, indent=2) + "\n"
 
 
-def test_run_writer_refuses_a_non_empty_target(tmp_path: Path):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_run_writer_refuses_a_non_empty_foreign_target(tmp_path: Path, overwrite: bool):
+    """Without --overwrite any non-empty folder is refused; with it, one kvsim did not write."""
     target = tmp_path / "demo"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
     with pytest.raises(InputError) as info:
-        RunWriter(target, overwrite=False)
-    assert info.value.source == str(target) and "--overwrite" in info.value.allowed
+        RunWriter(target, overwrite=overwrite)
+    assert info.value.source == str(target)
+    if overwrite:
+        assert "'keep.txt'" in info.value.problem and "not a kvsim results folder" in info.value.problem
+    else:
+        assert "--overwrite" in info.value.allowed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
     assert (target / "keep.txt").read_text() == "mine"
 
@@ -146,10 +152,6 @@ def test_run_writer_overwrites_only_what_kvsim_wrote(tmp_path: Path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.txt").write_text("keep")
-    with pytest.raises(InputError) as info:
-        RunWriter(mine, overwrite=True)
-    assert "'thesis.txt'" in info.value.problem and "not a kvsim results folder" in info.value.problem
-    assert (mine / "thesis.txt").read_text() == "keep"
     RunWriter(mine, overwrite=True, replace_any=True)   # a sweep's own point folders
     leftovers = tmp_path / "only-leftovers"
     leftovers.mkdir()
