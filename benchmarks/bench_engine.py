@@ -19,7 +19,12 @@ tests/tools/test_block_accounting.py), so only speed and memory differ. Cases:
   full-attention group alone (the engine loop, not the window groups, is the
   cost there);
 * ``mooncake-deepseek-v4``: ``scenarios/mooncake-deepseek-v4.toml`` (DeepSeek-V4-
-  style layout, TP 2, a 256 GiB CPU cache).
+  style layout, TP 2, a 256 GiB CPU cache);
+* ``azure-conv-llama8b``: the Azure LLM inference conversation trace of 2023
+  (19,366 requests, real arrival times, no prefix information, so no hits) on
+  Llama 3.1 8B (one full-attention group, 16-token blocks), one H100 with 40 GiB
+  of KV cache, the default study's 64 GiB LRU CPU cache storing every prompt:
+  the engine loop on an 8B-like model, the issue's other single-group case.
 
 Wall times on a shared or virtual machine vary from run to run (on the
 2-core VM of the issue, 20 % between runs of the same build is common):
@@ -90,6 +95,18 @@ CASES["mooncake-full-attn"] = {
 CASES["mooncake-deepseek-v4"] = {
     "scenario": str(ROOT / "scenarios" / "mooncake-deepseek-v4.toml"),
     "set": [],
+}
+CASES["azure-conv-llama8b"] = {
+    "scenario": str(ROOT / "scenarios" / "default.toml"),
+    "set": [
+        'name="azure-conv-llama8b"',
+        'model.name="llama-3.1-8b"',
+        'hardware.profile="h100"',
+        'hardware.gpu_kv_bytes="40GiB"',
+        'workload={kind="trace", trace="azure-conv-2023"}',   # $KVSIM_TRACES or the fetch cache
+        'costs.step="auto"',
+        'costs.transfer="hardware"',
+    ],
 }
 ACCOUNTINGS = ("fast", "reference")
 
