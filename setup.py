@@ -12,11 +12,15 @@ longer matches what was compiled.
 """
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 
@@ -45,13 +49,56 @@ def _forget_previous_build() -> None:
     (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)
 
 
+#: run in a child process by :func:`_mypycify`: mypycify, then the extensions it returns as
+#: JSON (argv: the options and paths as JSON, the group name, the output file)
+_MYPYCIFY_CHILD = """
+import json, os, sys
+from mypyc.build import mypycify
+exts = mypycify(json.loads(sys.argv[1]), opt_level="3", group_name=sys.argv[2])
+with open(sys.argv[3], "w") as out:
+    json.dump([{"name": e.name, "sources": e.sources,
+                **{k: getattr(e, k) for k in sys.argv[4].split(",")}} for e in exts], out)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)   # not freeing mypy's build graph: about a minute on a 2-core machine
+"""
+
+#: the ``Extension`` fields the child hands back
+_FIELDS = ("include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
+           "runtime_library_dirs", "extra_objects", "extra_compile_args", "extra_link_args",
+           "export_symbols", "depends", "language")
+
+
+def _mypycify(args: list[str], group: str) -> list[Extension]:
+    """mypycify ``args`` in a child process and rebuild its extensions here.
+
+    In this process mypy's type check leaves about five million objects that
+    Python then spends about a minute freeing at exit (a ``pip install`` waits
+    for it); the child writes the C files and the extensions' fields, and exits
+    without freeing them.
+
+    Raises:
+        RuntimeError: mypyc failed (a type error, a missing tool).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "extensions.json"
+        res = subprocess.run([sys.executable, "-c", _MYPYCIFY_CHILD, json.dumps(args), group,
+                              str(out), ",".join(_FIELDS)], cwd=ROOT, check=False)
+        if res.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"mypyc exited with status {res.returncode}")
+        described = json.loads(out.read_text())
+    exts = []
+    for d in described:
+        d["define_macros"] = [tuple(m) for m in d["define_macros"]]
+        exts.append(Extension(d.pop("name"), d.pop("sources"), **d))
+    return exts
+
+
 def _native_extensions() -> list[Extension]:
     _forget_previous_build()
     if os.environ.get(native.PURE_ENV) == "1":
         return []
-    try:
-        from mypyc.build import mypycify  # noqa: PLC0415 -- a build requirement that may be missing
-    except ImportError:
+    if importlib.util.find_spec("mypyc") is None:   # a build requirement that may be missing
         print("kvsim: mypyc not available, the Python sources will run", file=sys.stderr)
         return []
     paths = [str(native.source_path(m).relative_to(ROOT)) for m in native.NATIVE_MODULES]
@@ -65,7 +112,7 @@ def _native_extensions() -> list[Extension]:
         options = ["--config-file=", "--python-version=3.11", "--ignore-missing-imports",
                    "--follow-imports=silent"]
         group = native.GROUP_LIBRARY.removesuffix("__mypyc")   # mypyc appends the suffix
-        exts = mypycify([*options, *paths], opt_level="3", group_name=group)
+        exts = _mypycify([*options, *paths], group)
     except Exception as exc:   # a type error or a missing tool: the sources run
         print(f"kvsim: mypyc failed ({exc}), the Python sources will run", file=sys.stderr)
         (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)
@@ -75,10 +122,34 @@ def _native_extensions() -> list[Extension]:
     return exts
 
 
+#: setup.py commands that only describe the package: they finalize ``build_ext`` to list
+#: its sources, and need no compiled module
+_METADATA_COMMANDS = frozenset({"egg_info", "dist_info", "sdist"})
+
+
+class BuildExt(build_ext):
+    """``build_ext`` that adds the mypyc extensions only for a build.
+
+    Not each time ``setup.py`` is read: pip runs it three times for one install
+    (build requirements and metadata, which finalize ``build_ext`` to list its
+    sources, then the build), and mypyc's type check and C generation took about
+    90 s each time on a 2-core machine. They are added before the options are
+    finalized (setuptools prepares each extension there), once per process."""
+
+    _native_added = False
+
+    def finalize_options(self) -> None:
+        commands = set(self.distribution.commands)
+        if not BuildExt._native_added and not commands <= _METADATA_COMMANDS:
+            BuildExt._native_added = True
+            self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *_native_extensions()]
+        super().finalize_options()
+
+
 setup(
     ext_modules=[
         Extension("sim.model._poolops", ["sim/model/_poolops.c"], optional=True,
                   extra_compile_args=["-O2"]),
-        *_native_extensions(),
     ],
+    cmdclass={"build_ext": BuildExt},
 )
