@@ -94,18 +94,21 @@ def _mypycify(args: list[str], group: str) -> list[Extension]:
     return exts
 
 
+def _stamp_text() -> str:
+    """``sim/_native_stamp.py`` for the sources as they are now."""
+    stamp = "".join(f"    {m!r}: {native.source_digest(m)!r},\n" for m in native.NATIVE_MODULES)
+    return ('"""Written by setup.py: the SHA-256 of each source mypyc compiled (see sim/_native.py)."""\n\n'
+            f"SOURCES = {{\n{stamp}}}\n")
+
+
 def _native_extensions() -> list[Extension]:
-    _forget_previous_build()
+    """The mypyc extensions of :data:`native.NATIVE_MODULES`, or none (one line says why)."""
     if os.environ.get(native.PURE_ENV) == "1":
         return []
     if importlib.util.find_spec("mypyc") is None:   # a build requirement that may be missing
         print("kvsim: mypyc not available, the Python sources will run", file=sys.stderr)
         return []
     paths = [str(native.source_path(m).relative_to(ROOT)) for m in native.NATIVE_MODULES]
-    stamp = "".join(f"    {m!r}: {native.source_digest(m)!r},\n" for m in native.NATIVE_MODULES)
-    (ROOT / "sim" / "_native_stamp.py").write_text(
-        '"""Written by setup.py: the SHA-256 of each source mypyc compiled (see sim/_native.py)."""\n\n'
-        f"SOURCES = {{\n{stamp}}}\n")
     try:
         # mypy's types only, not the project's lint settings (pyproject's strict [tool.mypy]):
         # the build environment has mypy and numpy, not kvsim's other dependencies
@@ -115,7 +118,6 @@ def _native_extensions() -> list[Extension]:
         exts = _mypycify([*options, *paths], group)
     except Exception as exc:   # a type error or a missing tool: the sources run
         print(f"kvsim: mypyc failed ({exc}), the Python sources will run", file=sys.stderr)
-        (ROOT / "sim" / "_native_stamp.py").unlink(missing_ok=True)
         return []
     for ext in exts:
         ext.optional = True
@@ -128,22 +130,49 @@ _METADATA_COMMANDS = frozenset({"egg_info", "dist_info", "sdist"})
 
 
 class BuildExt(build_ext):
-    """``build_ext`` that adds the mypyc extensions only for a build.
+    """``build_ext`` that adds the mypyc extensions only for a build, and stamps them.
 
     Not each time ``setup.py`` is read: pip runs it three times for one install
     (build requirements and metadata, which finalize ``build_ext`` to list its
     sources, then the build), and mypyc's type check and C generation took about
     90 s each time on a 2-core machine. They are added before the options are
-    finalized (setuptools prepares each extension there), once per process."""
+    finalized (setuptools prepares each extension there), once per process.
+
+    The stamp (``sim/_native_stamp.py``, the digests of the sources compiled) goes
+    where the compiled modules go, decided when the build runs (pip finalizes a
+    first ``build_ext`` for an editable install before it sets the editable mode).
+    An in-place build (``pip install -e .``, ``setup.py build_ext --inplace``)
+    first removes the tree's earlier compiled copies and stamp, so that a build
+    that fails or is skipped cannot leave old code standing for new sources, and
+    writes the new stamp into the tree. Any other build (``pip wheel .``, ``pip
+    install .``) leaves the tree alone and writes the stamp into its build folder:
+    a wheel built in a developer's checkout does not take the checkout's compiled
+    modules away."""
 
     _native_added = False
+    #: the stamp of the mypyc extensions added, None when none were
+    _stamp: str | None = None
 
     def finalize_options(self) -> None:
         commands = set(self.distribution.commands)
         if not BuildExt._native_added and not commands <= _METADATA_COMMANDS:
             BuildExt._native_added = True
-            self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *_native_extensions()]
+            exts = _native_extensions()
+            BuildExt._stamp = _stamp_text() if exts else None
+            self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *exts]
         super().finalize_options()
+
+    def run(self) -> None:
+        if self.inplace:
+            _forget_previous_build()
+            stamp = ROOT / "sim" / "_native_stamp.py"
+        else:   # build_py copied the tree's stamp, if any, with the sources
+            stamp = Path(self.build_lib) / "sim" / "_native_stamp.py"
+            stamp.unlink(missing_ok=True)
+        super().run()
+        if BuildExt._stamp is not None:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(BuildExt._stamp)
 
 
 setup(
