@@ -232,8 +232,10 @@ def capped_by_keys(prof: WindowProfile) -> tuple[tuple[tuple[int, int], ...], ..
     # §7.1: S = min(T // tpc, known block ids // bpc [NEW: , keys]). FA bs 16,
     # bpc 1, T = 64 -> S = 4 with 4 GPU blocks, but the request's hashes
     # cover only 32 tokens (2 keys). Then the hashes catch up.
-    # OLD: stores the two keys it has and advances to 4: chunks 2, 3 are a
-    # permanent hole (spec: NEW's cap "prevents a permanent hole").
+    # OLD (spec): stores the two keys it has and advances to 4: chunks 2, 3 are
+    # a permanent hole (NEW's cap "prevents a permanent hole"). vLLM 0.29.0's
+    # own code asserts first (len(offload_keys) == len(offload_block_ids)), so
+    # the hole needs python -O; see the row's xfail.
     # NEW: S = 2 now; chunks 2, 3 once their keys exist.
     layout = Layout.of([fa(16)], tokens_per_hash=16)
     w = world(prof, layout)
@@ -359,8 +361,10 @@ ROWS = [
         (False, False, True, True), (False, False, True, False)),
     Row("storable chunks capped by keys", "hashes-lag", capped_by_keys,
         (((0, 0), (0, 1)), ()), (((0, 0), (0, 1)), ((0, 2), (0, 3))),
-        old_xfail="possible model bug: OLD slices the missing keys and its strict zip raises "
-                  "ValueError instead of leaving the spec's permanent hole"),
+        old_xfail="OLD's strict zip raises ValueError; vLLM 0.29.0 asserts that the two lengths "
+                  "match (_build_store_jobs: an AssertionError that stops the engine; the spec's "
+                  "permanent hole is what python -O gives), so kvsim should record an assertion "
+                  "crash: not modelled, as kvsim's workloads hash every token (keys never lag)"),
     Row("spec decode, no group annotated", "plain-and-marked", unannotated_eagle,
         ((True, True), (False, True)), ((False, False), (False, True))),
     Row("store reachability (window)", "profile", reach_profile,
