@@ -123,6 +123,7 @@ from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
 
 __all__ = [
     "AMPERE_MATMUL_EFFICIENCY",
+    "BLACKWELL_MATMUL_EFFICIENCY",
     "DEFAULT_ATTENTION_EFFICIENCY",
     "DEFAULT_MBU",
     "DEFAULT_MFU",
@@ -169,6 +170,11 @@ HOPPER_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.488), (1032, 
 #: windows, over 312 TFLOP/s): flatter than the H100's, its peak being a third as high.
 AMPERE_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.622), (1032, 0.615), (1928, 0.632),
                                                            (4016, 0.643))
+#: The B200 (no operator profile published): the H100's curve scaled by the two GPUs' maximum
+#: achievable matmul efficiencies (77.6 % and 80.3 % of peak, docs/costs.md), an assumption that a
+#: Blackwell layer's non-matmul share and small-step shape follow Hopper's.
+BLACKWELL_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = tuple(
+    (n, round(e * 0.776 / 0.803, 3)) for n, e in HOPPER_MATMUL_EFFICIENCY)
 #: Default fraction of dense BF16 peak that attention kernels reach on the query-key pairs of
 #: attention groups (not mamba): FlashAttention-3, which vLLM's FlashAttention backend runs on
 #: Hopper, measured 614-621 TFLOP/s of 989 on an H100 at head dim 128 and 8k-16k tokens
@@ -809,6 +815,32 @@ GPU_PROFILES: dict[str, GpuProfile] = {
             "https://aiwiki.ai/wiki/nvidia_h200: 141 GB HBM3e at 4.8 TB/s, same GH100 compute as H100",
             "https://raw.githubusercontent.com/mlcommons/inference_results_v4.1/main/closed/NVIDIA/systems/"
             "H200-SXM-141GBx8_TRT_MaxQ.json: host interconnect PCIe Gen5 x16",
+            *_PCIE_SOURCES,
+            *_HOST_SOURCES,
+        ),
+    ),
+    "b200": GpuProfile(
+        name="b200",
+        hbm_bytes=180 * _GB,
+        hbm_bandwidth_bytes_per_s=7.67e12,
+        dense_bf16_flops=2250e12,
+        h2d=_pcie5_x16(PCIE_H2D_DUPLEX_FACTOR),
+        d2h=_pcie5_x16(PCIE_D2H_DUPLEX_FACTOR),
+        host=_HOST,
+        matmul_efficiency=BLACKWELL_MATMUL_EFFICIENCY,
+        sources=(
+            "https://github.com/stas00/ml-engineering/blob/18fa0175ec4671522b218b38c162fd3b1c748bb0/"
+            "insights/when-to-upgrade-gpus/README.md: B200 SXM BF16 2,250 TFLOPS dense (theoretical), "
+            "about 180 GiB HBM3e at 8.0 TB/s; maximum achievable matmul BF16 1,745 TFLOPS (77.6 %) "
+            "against 794.5 (80.3 %) on H100/H200",
+            "https://github.com/pytorch/ao/pull/4002: the driver reports a 7,680-bit memory bus at "
+            "3,996 MHz on a B200 (7.67 TB/s, not the quoted 8 TB/s) and 178.35 GB of global memory",
+            "https://raw.githubusercontent.com/mlcommons/inference_results_v6.0/main/closed/Nebius/systems/"
+            "nebius_b200_n1.json: NVIDIA B200-SXM-180GB, host interconnect PCIe Gen5 x16, 8 per node, "
+            "1.8 TB host memory",
+            "assumption: matmuls at the H100's measured curve times 0.776 / 0.803, attention at the "
+            "H100's 0.62 (no measurement of vLLM's attention kernels on this GPU found), the H100's "
+            "host link figures (no B200 copy measurement found)",
             *_PCIE_SOURCES,
             *_HOST_SOURCES,
         ),

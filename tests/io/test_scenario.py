@@ -381,7 +381,7 @@ def test_gpu_budget_too_small(tmp_path: Path):
 
 
 def test_unknown_hardware_profile(tmp_path: Path):
-    err = error_of(write(tmp_path, MINIMAL + '[hardware]\nprofile = "b200"\n'))
+    err = error_of(write(tmp_path, MINIMAL + '[hardware]\nprofile = "mi300x"\n'))
     assert err.key == "hardware.profile" and "h100" in err.allowed and "h200" in err.allowed
     hw = write(tmp_path, (scenarios_dir() / "hardware" / "h100.toml").read_text(), "my-gpu.toml")
     spec = load_run(write(tmp_path, MINIMAL + '[hardware]\nprofile = "my-gpu.toml"\n'))

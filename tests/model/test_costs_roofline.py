@@ -312,6 +312,30 @@ def test_attention_efficiency_is_the_gpus_measurement_where_one_exists() -> None
         dataclasses.replace(h20, attention_efficiency=1.5)
 
 
+def test_the_b200_prefills_faster_than_the_h100_by_its_peak_and_decodes_by_its_bandwidth() -> None:
+    # B200: 2,250 TFLOPS dense at the H100's measured matmul curve scaled by the two GPUs' maximum
+    # achievable matmul efficiency (77.6 % against 80.3 %), attention at the H100's 0.62, 7.67 TB/s
+    b200, h100 = GPU_PROFILES["b200"], GPU_PROFILES["h100"]
+    assert [n for n, _ in b200.matmul_efficiency] == [n for n, _ in h100.matmul_efficiency]
+    for (_, eb), (_, eh) in zip(b200.matmul_efficiency, h100.matmul_efficiency, strict=True):
+        assert eb == pytest.approx(eh * 0.776 / 0.803, abs=5e-4)
+    assert b200.attention_efficiency is None and b200.h2d == h100.h2d
+    shape, groups = shipped("llama-3.1-8b")
+    mb, mh = roofline_step_model(b200, shape, groups), roofline_step_model(h100, shape, groups)
+    # a long prefill chunk's compute: the B200 takes about 989 / 2,250 of the time (0.456 for the
+    # matmuls at the scaled curve, 0.440 for the attention at the same 0.62)
+    prefill = StepLoad(prefill_tokens=8192, decode_seqs=0, requests=1, kv_read_bytes=0,
+                       pairs=(attention_pairs(GroupKind.FULL, 0, 57344, 8192),))
+    ratio = mb.compute_s(prefill) / mh.compute_s(prefill)
+    assert 0.440 < ratio < 0.456, ratio
+    assert mb.time(prefill) < 0.5 * mh.time(prefill)
+    # a decode batch's memory time: the ratio of the bandwidths, 3.35 / 7.67
+    decode = StepLoad(prefill_tokens=0, decode_seqs=64, requests=64, kv_read_bytes=64 * 4000 * 131072,
+                      pairs=(64 * 4000,))
+    assert mb.memory_s(decode) / mh.memory_s(decode) == pytest.approx(3.35 / 7.67, rel=1e-9)
+    assert mb.time(decode) < mh.time(decode)
+
+
 def test_roofline_rejects_bad_arguments() -> None:
     shape, groups = shipped("llama-3.1-8b")
     g = GPU_PROFILES["h100"]
