@@ -717,6 +717,13 @@ HOST_PER_BLOCK_S = 1.55e-6
 HOST_PER_LOADED_BLOCK_S = 0.8e-6
 HOST_NO_FORWARD_STEP_S = 0.22e-3
 
+#: A GH200's NVLink-C2C host link (docs/costs.md): copy-engine memcpy measured 346 GB/s host->device
+#: (nvbandwidth), device->host about 15 % slower and measured 297 GB/s in a study; each way keeps about
+#: half its rate while the other copies (the copy engines' bidirectional test)
+GH200_C2C_H2D_BYTES_PER_S = 346 * _GB
+GH200_C2C_D2H_BYTES_PER_S = 297 * _GB
+GH200_C2C_DUPLEX_FACTOR = 0.5
+
 _PCIE_SOURCES = (
     "https://www.nvidia.com/en-us/data-center/h100/: PCIe Gen5 128 GB/s (both directions, i.e. 64 GB/s each)",
     "https://github.com/NVIDIA/nvbandwidth/issues/6: H100 host->device measured 56.7-57.1 GB/s (3 of 4 GPUs)",
@@ -842,6 +849,35 @@ GPU_PROFILES: dict[str, GpuProfile] = {
             "H100's 0.62 (no measurement of vLLM's attention kernels on this GPU found), the H100's "
             "host link figures (no B200 copy measurement found)",
             *_PCIE_SOURCES,
+            *_HOST_SOURCES,
+        ),
+    ),
+    "gh200": GpuProfile(
+        name="gh200",
+        hbm_bytes=96 * _GB,
+        hbm_bandwidth_bytes_per_s=4.0e12,
+        dense_bf16_flops=989e12,
+        h2d=TransferModel(GH200_C2C_H2D_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S,
+                          GH200_C2C_DUPLEX_FACTOR),
+        d2h=TransferModel(GH200_C2C_D2H_BYTES_PER_S, PCIE_JOB_LATENCY_S, PCIE_PIECE_OVERHEAD_S,
+                          GH200_C2C_DUPLEX_FACTOR),
+        host=_HOST,
+        matmul_efficiency=HOPPER_MATMUL_EFFICIENCY,
+        sources=(
+            "https://datacrunch.io/blog/data-movement-in-the-nvidia-gh200-grace-hopper-superchip: NVIDIA's "
+            "Grace Hopper architecture figures, up to 96 GB HBM3 at 4,000 GB/s, 480 GB LPDDR5X, NVLink-C2C "
+            "900 GB/s in all (450 GB/s each way)",
+            "https://www.emergentmind.com/topics/gh200-technology: the GH200's Hopper GPU has 132 SMs, the "
+            "H100 SXM's GH100 configuration: its dense BF16 peak (989 TFLOPS) and matmul curve are the "
+            "H100's (assumption for the curve)",
+            "https://github.com/NVIDIA/nvbandwidth/issues/23: GH200 (480 GB LPDDR5X + 96 GB HBM3) "
+            "host->device copy-engine memcpy 346 GB/s, about 15 % faster than device->host",
+            "https://4nownews.com/2024/07/27/not-so-simple-and-not-so-fast-scientists-studied-the-features-"
+            "of-memory-and-nvlink-c2c-in-nvidia-grace-hopper (HPCwire's report of a KTH study): NVLink-C2C "
+            "measured 375 GB/s host->device and 297 GB/s device->host on a 96 GB GH200",
+            "https://github.com/NVIDIA/nvbandwidth/issues/41: on a GH200 the copy engines' bidirectional "
+            "test reaches about half of the one-way peak: each way keeps 0.5 of its rate (assumption)",
+            "assumption: the PCIe hosts' 10 us per job and 2.5 us per copy (no C2C measurement found)",
             *_HOST_SOURCES,
         ),
     ),

@@ -52,10 +52,11 @@ def error_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> I
 # -- hardware bounds ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["h100", "h200"])
-def test_shipped_profiles_state_the_node(name: str):
+@pytest.mark.parametrize(("name", "gpus", "ram"), [("h100", 8, 2 * 10**12), ("h200", 8, 2 * 10**12),
+                                                   ("b200", 8, 18 * 10**11), ("gh200", 1, 480 * 10**9)])
+def test_shipped_profiles_state_the_node(name: str, gpus: int, ram: int):
     hw = load_hardware_file(scenarios_dir() / "hardware" / f"{name}.toml")
-    assert hw.gpus_per_node == 8 and hw.cpu_ram_bytes == 2 * 10**12
+    assert hw.gpus_per_node == gpus and hw.cpu_ram_bytes == ram
 
 
 def test_cpu_cache_beyond_the_node_ram_is_refused(tmp_path: Path):
