@@ -57,8 +57,9 @@ What it models
     its rate (the engine's links apply it, :mod:`sim.engine.links`).
 
     *Published figures.* :data:`GPU_PROFILES` holds datasheet figures of the
-    H100 SXM, H200 SXM, H20, A100 SXM and L40S, the host links' measured-style
-    figures (PCIe Gen5 and Gen4) and the engine's host overhead per step; a
+    H100 SXM, H200 SXM, H20, A100 SXM, L40S, B200 SXM and GH200, the host links'
+    measured-style figures (PCIe Gen5 and Gen4, the GH200's NVLink-C2C) and the
+    engine's host overhead per step; a
     GPU not listed gets its peak and HBM bandwidth from its ``hardware/1``
     file (:func:`gpu_profile`). The models' shapes live in the model
     files (``scenarios/models/*.toml``), not here. Every figure, its source and
