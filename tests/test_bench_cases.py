@@ -5,6 +5,9 @@ broke shows here, not at the next measurement."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -43,3 +46,27 @@ def test_every_bench_engine_case_replays(case: str, request: pytest.FixtureReque
         assert res.summary.requests_finished == LIMIT
         figures[accounting] = res.summary.figures()
     assert figures["fast"] == figures["reference"]
+
+
+def test_rss_growth_script_measures_and_attributes():
+    """``benchmarks/rss_growth.py`` (the memory check of the speed issue) runs end to end on
+    the embedded default study: both lengths replayed, the ratio printed, sites attributed."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "rss_growth.py"), "--case", "default",
+           "--short", "40", "--top", "3"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"^\| short \| 40 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+    assert re.search(r"^\| whole \| 302 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+    ratio = r"^peak RSS, whole / short: [+-][\d.]+% \((within|over) the issue's 10%\)$"
+    assert re.search(ratio, out, re.M), out
+    sites = re.findall(r"^\| (sim/\S+:\d+) \|", out, re.M)
+    assert sites, out   # the model's own allocation sites are named, relative to the checkout
+
+
+def test_rss_growth_script_refuses_bad_arguments():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rss_growth.py"), "--short", "0"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("--short and --top must be at least 1")
+    assert proc.stdout == ""
