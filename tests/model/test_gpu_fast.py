@@ -468,3 +468,26 @@ def test_empty_boundary_closed_form_equals_the_scan(bs: int, chunk: int, n: int)
     cache's formula (a multiple of C / gcd(C, bs) blocks) against the reference's scan."""
     layout = Layout.of([fa(bs), cla(bs, chunk)], 1)
     assert GpuFastCache(layout, 8)._empty_boundary(1, n) == GpuKVCache(layout, 8)._empty_boundary(1, n)
+
+
+def test_evicting_the_found_block_of_a_hash_leaves_its_duplicate_found() -> None:
+    """The fast pool's side of the duplicate-hash corner of
+    ``test_gpu_pool_stateful.py`` (block 1 found for a hash, freed and still cached;
+    block 2 committed under it while in use): handing block 1 out again makes a
+    lookup find block 2, as the reference pool and vLLM's map do."""
+    def ident(b: object) -> object:   # the reference pool hands out Block objects, the fast one ids
+        return getattr(b, "block_id", b)
+
+    h = (2, 0)
+    layout = Layout.of([fa(2)], tokens_per_hash=2)
+    found = []
+    for pool in (GpuKVCache(layout, 10).pool, GpuFastCache(layout, 10).pool):
+        first = pool.get_new_blocks(2)
+        pool.commit(first[0], h)
+        pool.free(first)
+        held = pool.get_new_blocks(4)
+        pool.commit(held[0], h)
+        taken = pool.get_new_blocks(5)
+        pool.check_invariants()
+        found.append(([ident(b) for b in taken], ident(pool.cached(h)), pool.num_cached))
+    assert found[0] == found[1] == ([6, 7, 8, 9, 1], 2, 1)

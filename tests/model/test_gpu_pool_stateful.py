@@ -21,8 +21,11 @@ What the reference encodes, from the spec and vLLM's ``block_pool.py``:
   the queue tail and keeps its hash, so it stays a prefix hit until reused;
   one without a hash (or any block without prefix caching) goes to the
   queue head, in the order freed, to be reused first;
-* committing gives a hash to an unhashed block; the prefix cache keeps the
-  first block cached under a hash (a duplicate is hashed but not cached).
+* committing gives a hash to an unhashed block; the prefix cache finds the
+  first block cached under a hash. A later block committed under the same hash
+  (a duplicate) is kept behind it, as vLLM's ``BlockHashToBlockMap`` keeps
+  every block of a hash: when the block a lookup finds is evicted, the oldest
+  duplicate still hashed becomes the one found.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class GpuPoolMachine(RuleBasedStateMachine):
         self.ref: list[int] = []
         self.hash_of: list[tuple[int, int] | None] = []
         self.cached: dict[tuple[int, int], int] = {}
+        #: blocks committed under a hash already cached, oldest first
+        self.dups: dict[tuple[int, int], list[int]] = {}
         self.evicted = 0
         self.reqs: dict[str, tuple[list[int], list[int]]] = {}  # id -> (hashes, block ids)
         self.raw: list[list[int]] = []  # block ids held outside any request
@@ -94,8 +99,15 @@ class GpuPoolMachine(RuleBasedStateMachine):
             self.ref[i] = 1
             h = self.hash_of[i]
             if h is not None:
+                behind = self.dups.get(h, [])
                 if self.cached.get(h) == i:
                     del self.cached[h]
+                    if behind:
+                        self.cached[h] = behind.pop(0)
+                elif i in behind:
+                    behind.remove(i)
+                if not behind:
+                    self.dups.pop(h, None)
                 self.hash_of[i] = None
                 self.evicted += 1
         return out
@@ -117,8 +129,11 @@ class GpuPoolMachine(RuleBasedStateMachine):
         if i == NULL_BLOCK_ID or self.hash_of[i] is not None:
             return
         self.hash_of[i] = h
-        if self.caching and h not in self.cached:
-            self.cached[h] = i
+        if self.caching:
+            if h not in self.cached:
+                self.cached[h] = i
+            else:
+                self.dups.setdefault(h, []).append(i)
 
     # -- rules: requests through GpuKVCache
 
@@ -269,3 +284,24 @@ TestGpuPoolMachine = GpuPoolMachine.TestCase
 TestGpuPoolMachine.settings = MACHINE_SETTINGS
 TestGpuPoolNoCachingMachine = GpuPoolNoCachingMachine.TestCase
 TestGpuPoolNoCachingMachine.settings = settings(MACHINE_SETTINGS, max_examples=50)
+
+
+def test_evicting_the_found_block_of_a_hash_leaves_its_duplicate_found():
+    """The corner the machine above reached at 25x its examples (seed 7): a hash is
+    committed to a block that is then freed (still cached, in the queue), and again to
+    a block in use (a duplicate); handing the first block out again evicts it, and the
+    prefix cache then finds the duplicate (vLLM's map keeps both), not nothing."""
+    gpu = GpuKVCache(LAYOUT, 10, enable_caching=True)
+    pool = gpu.pool
+    h = (2, 0)
+    first = pool.get_new_blocks(2)
+    pool.commit(first[0], h)
+    pool.free(first)                        # block 1 keeps h at the queue's tail
+    held = pool.get_new_blocks(4)           # blocks 2..5
+    pool.commit(held[0], h)                 # block 2: a duplicate of h
+    assert pool.cached(h) is first[0] and pool.num_cached == 1
+    taken = pool.get_new_blocks(5)          # 6..9, then block 1: evicted
+    assert [b.block_id for b in taken] == [6, 7, 8, 9, 1]
+    assert first[0].block_hash is None
+    assert pool.cached(h) is held[0] and pool.num_cached == 1
+    pool.check_invariants()
