@@ -1349,7 +1349,10 @@ class Scheduler:
         if k < 2:
             return None
         nc0 = [r.num_computed for r in running]
-        heap = [(s, i) for i, r in enumerate(running)
+        # a request already due (its thresholds lie behind it, as the reference's plain
+        # thresholds may) is due at step 0: a step's due requests go in running order,
+        # as vLLM's schedule() visits them, whatever their thresholds
+        heap = [(max(s, 0), i) for i, r in enumerate(running)
                 if (s := min(r.thr_slots - nc0[i] - 1, r.thr_comp - nc0[i])) < k]
         heapq.heapify(heap)
         return FastForward(tuple(durs[:k]), ctx0, running, nc0, [r.num_tokens for r in running], heap,
