@@ -1026,18 +1026,18 @@ class Scheduler:
             s.cpu_reload_tokens += ext
 
     def _no_room(self, r: LiveRequest) -> Admission:
-        """The GPU pool cannot take ``r`` now. Normally admission stops (FCFS).
-        With nothing running no room would ever come that way: wait while
-        transfers are in flight; reject ``r`` if it holds the pool alone;
+        """The GPU pool cannot take ``r`` now. Admission stops (FCFS: vLLM's
+        ``break`` when ``allocate_slots`` returns None) while anything runs or a
+        transfer is in flight, whose end frees or promotes blocks; no request behind
+        ``r`` is looked up this step. With nothing running and nothing in flight no
+        room would ever come that way: reject ``r`` if it holds the pool alone;
         else other waiting requests (loaded, or partly prefilled) hold blocks
         that nothing frees: preempt them all and stop admitting this step, so
         that ``r`` has the pool to itself next step (deadlock breaker: vLLM
         avoids most of these states with its admission reservation for async
         loads, which kvsim models too, and has no such breaker)."""
-        if self.running:
+        if self.running or self.in_flight or self._loads_this_step:
             return _FULL
-        if self.in_flight or self._loads_this_step:
-            return _DEFER
         gpu = self.gpu
         if all(rid == r.req_id for rid in gpu.req_blocks):
             if r.req_id in gpu.req_blocks:
