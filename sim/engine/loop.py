@@ -285,6 +285,8 @@ class Engine:
         self._finished_count = 0
         self._stop = self.env.event()
         self.end_s = 0.0
+        #: (H2D, D2H) busy seconds up to ``end_s``
+        self.busy_at_end = (0.0, 0.0)
 
     # -- processes ------------------------------------------------------------------
 
@@ -360,6 +362,10 @@ class Engine:
             yield from self._wait_idle()
         self._sample(force=True)
         self.end_s = env.now
+        # the links' busy time of the jobs completed by the end, the transfers table's: a job
+        # still in flight when a run stops early (time or queue limit, a stop on crash)
+        # completes afterwards, while the lifecycles finish, and counts in neither
+        self.busy_at_end = (self.h2d.busy_s, self.d2h.busy_s)
         if not self._stop.triggered:
             self._stop.succeed()
 
@@ -712,8 +718,7 @@ class Engine:
         for f in fields(SchedulerStats):
             setattr(s, f.name, getattr(stats, f.name))
         s.sim_time_s = self.end_s
-        s.h2d_busy_s = self.h2d.busy_s
-        s.d2h_busy_s = self.d2h.busy_s
+        s.h2d_busy_s, s.d2h_busy_s = self.busy_at_end
         if self.conn is not None:
             s.store_rejections = self.conn.store_rejections
         if self.tiered is not None:

@@ -86,6 +86,7 @@ class VllmEngine(Engine):
         self._finished_count = 0
         self._stop = self.env.event()
         self.end_s = 0.0
+        self.busy_at_end = (0.0, 0.0)
 
     @property
     def vllm_version(self) -> str:
@@ -224,8 +225,7 @@ class VllmEngine(Engine):
         for f in fields(SchedulerStats):
             setattr(s, f.name, getattr(stats, f.name))
         s.sim_time_s = self.end_s
-        s.h2d_busy_s = self.h2d.busy_s
-        s.d2h_busy_s = self.d2h.busy_s
+        s.h2d_busy_s, s.d2h_busy_s = self.busy_at_end
         if self.progress is not None:
             self.progress(self._finished_count, env.now)
         self.rec.flush()

@@ -117,8 +117,10 @@ SUMMARY_KEYS: dict[str, Key] = {
     "transfers.store_jobs": Key("int", "jobs", "store (d2h) jobs"),
     "transfers.h2d_bytes": Key("int", "bytes", "bytes loaded host to device"),
     "transfers.d2h_bytes": Key("int", "bytes", "bytes stored device to host"),
-    "transfers.h2d_utilisation": Key("float?", "share", "time the H2D link was busy / simulated time"),
-    "transfers.d2h_utilisation": Key("float?", "share", "time the D2H link was busy / simulated time"),
+    "transfers.h2d_utilisation": Key("float?", "share", "time the H2D link was busy with jobs completed "
+                                                          "by the end / simulated time"),
+    "transfers.d2h_utilisation": Key("float?", "share", "time the D2H link was busy with jobs completed "
+                                                          "by the end / simulated time"),
     "transfers.flushed_stores": Key("int", "jobs", "stores the engine had to wait for (spec section 7.6)"),
     "transfers.store_rejections": Key("int", "count", "stores the CPU cache could not take (no room to "
                                       "reserve)"),

@@ -390,3 +390,24 @@ def test_transfer_time_counts_vllm_copy_pieces(piece: str, per_block: int) -> No
     for row in x.itertuples():
         want = 1e-4 + row.blocks * per_block * 1e-3 + row.bytes / 1e9
         assert row.end_s - row.start_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("limit_s", [0.3, 1.0])
+def test_link_utilisation_of_a_run_stopped_early_counts_only_time_before_its_end(limit_s: float) -> None:
+    """A run stopped by its time limit while a slow load is in flight: the job that
+    completes after the end counts as it does in the transfers table (not at all), so
+    the link is busy at most the whole run (before: 100.5 % and 185.8 % in such runs)."""
+    from sim.io.scenario import build_run
+    from sim.tools import fuzz
+
+    data = fuzz.run_config(fuzz._rng_for(5, 523))   # a 200 KB/s host-to-device link
+    data = {**data, "window_logic": "new", "output": {**data["output"], "max_sim_time_s": limit_s}}
+    spec = build_run(data, Path("fuzz-s5-i523.toml"))
+    engine = Engine(spec.engine_config(), spec.requests(), Recorder(MemorySink()))
+    res = engine.run()
+    assert res.status == "time_limit"
+    transfers = res.summary.figures()["transfers"]
+    assert 0.0 < transfers["h2d_utilisation"] <= 1.0
+    assert engine.h2d.busy_s > engine.busy_at_end[0]   # a load was in flight at the end
+    assert res.summary.h2d_busy_s == engine.busy_at_end[0]
+    assert res.summary.h2d_busy_s <= res.summary.sim_time_s

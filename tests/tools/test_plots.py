@@ -385,3 +385,26 @@ def test_kvsim_run_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert sorted(p.name for p in (tmp_path / "r" / "plots").iterdir()) == [
         "link_utilisation.png", "occupancy.png", "ttft_cdf.png"]
     assert f"plot: {tmp_path / 'r' / 'plots' / 'occupancy.png'}" in out
+
+
+def test_link_utilisation_of_a_run_stopped_early_agrees_with_its_summary(tmp_path: Path) -> None:
+    """A run stopped by its time limit with a slow load in flight: the figure's busy share
+    (from the transfers table, which has no row for the job still in flight) equals
+    summary.json's, at most 100 % (before: 170 % in the summary)."""
+    import tomli_w
+
+    from sim.tools import fuzz
+
+    data = fuzz.run_config(fuzz._rng_for(5, 523))   # a 200 KB/s host-to-device link
+    data = {**data, "window_logic": "new", "name": "stopped",
+            "output": {**data["output"], "max_sim_time_s": 0.3}}
+    scenario = tmp_path / "stopped.toml"
+    scenario.write_text(tomli_w.dumps(data))
+    assert main(["run", str(scenario), "--out", str(tmp_path / "out"), "-q"]) == 0
+    run = load_results(tmp_path / "out")
+    assert run.summary["end"] == "time_limit"
+    legend = [t.get_text() for t in plots.link_utilisation(run).axes[0].get_legend().get_texts()]
+    for text, direction in zip(legend, ("h2d", "d2h"), strict=True):
+        util = run.summary["transfers"][f"{direction}_utilisation"]
+        assert util <= 1.0
+        assert f"{100 * util:.2f}% busy" in text, (text, util)
