@@ -156,4 +156,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # the child runs got the signal too; the temporary folder goes with the stack
+        if "--child" not in sys.argv:
+            print("rss_growth: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -70,3 +70,23 @@ def test_rss_growth_script_refuses_bad_arguments():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--short and --top must be at least 1")
     assert proc.stdout == ""
+
+
+def test_rss_growth_script_ends_on_ctrl_c_with_one_line():
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) halfway: one line, exit
+    130, no child left running."""
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "rss_growth.py"), "--case", "default", "--short", "40"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(3)   # the whole script takes about 12 s: this is inside its runs
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["rss_growth: interrupted"], err
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)   # the group is gone: no child outlived the script
