@@ -15,7 +15,7 @@ import pytest
 
 from sim.cli import main
 from sim.engine.loop import simulate
-from sim.engine.metrics import Recorder
+from sim.engine.metrics import MemorySink, Recorder
 from sim.io.scenario import build_run
 from sim.tools import fuzz
 from tests.helpers import ROOT
@@ -70,25 +70,13 @@ def test_mooncake_on_deepseek_v4_with_mtp_is_identical(tmp_path: Path, traces_di
     _same(fast, _run(scenario, tmp_path / "ref", "reference", *sets))
 
 
-class _Tables:
-    """A recorder sink that keeps every row in memory."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, dict[str, list[object]]] = {}
-
-    def write(self, table: str, columns: dict[str, list[object]]) -> None:
-        into = self.rows.setdefault(table, {})
-        for name, values in columns.items():
-            into.setdefault(name, []).extend(values)
-
-
 def _fuzz_run_tables(seed: int, index: int, logic: str, accounting: str) -> tuple[str, dict, dict]:
     data = fuzz.run_config(fuzz._rng_for(seed, index))
     data = {**data, "window_logic": logic, "scheduler": {**data["scheduler"], "block_accounting": accounting}}
     spec = build_run(data, Path(f"fuzz-s{seed}-i{index}.toml"))
-    sink = _Tables()
+    sink = MemorySink()
     res = simulate(spec.engine_config(), spec.requests(), Recorder(sink))
-    return res.status, res.summary.figures(), sink.rows
+    return res.status, res.summary.figures(), sink.tables
 
 
 @pytest.mark.parametrize(("seed", "index", "logic"), [(4, 282, "old")] + [(11, i, lg) for i in range(12)

@@ -285,16 +285,12 @@ def test_no_room_while_a_load_is_in_flight_stops_admission_as_vllm_does(logic: s
     hour of simulated time, 30 of 32 requests done. Now only the head is looked up at
     that step (t = 0.275766 s: s1t0, not s0t3 behind it) and the run ends."""
     from sim.engine.loop import Engine
-    from sim.engine.metrics import Recorder
+    from sim.engine.metrics import MemorySink, Recorder
     from sim.io.scenario import build_run
-
-    class Sink:
-        def write(self, table: str, columns: dict) -> None:
-            pass
 
     data = {**fuzz.run_config(fuzz._rng_for(5, 523)), "window_logic": logic}
     spec = build_run(data, Path("fuzz-s5-i523.toml"))
-    engine = Engine(spec.engine_config(), spec.requests(), Recorder(Sink()), None)
+    engine = Engine(spec.engine_config(), spec.requests(), Recorder(MemorySink()), None)
     engine.sched.lookup_log = []
     looked_up: dict[float, list[str]] = {}
 
