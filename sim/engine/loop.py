@@ -321,7 +321,11 @@ class Engine:
         self.kick()
 
     def _lifecycle(self, req: Request) -> Proc:
-        r = self.sched.add_request(req)
+        r = self.sched.add_request(req, self.env.now)
+        # on arrival: longer than max_model_len (by value: mypy would narrow r.status for good)
+        if r.status.value == RequestStatus.REJECTED.value:
+            self._write_request(r)
+            return
         done = self._done[r.req_id] = self.env.event()
         self.kick()
         yield done | self._stop

@@ -227,8 +227,8 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
     "requests": {
         "req_id": ("-", "the request's id (the trace's, or generated)"),
         "session_id": ("-", "its conversation or session, null when the workload has none"),
-        "status": ("-", "finished | rejected (too long for the GPU pool) | unfinished (still in flight when "
-                        "the run stopped)"),
+        "status": ("-", "finished | rejected (longer than the GPU pool's `max_model_len`) | unfinished "
+                        "(still in flight when the run stopped)"),
         "arrival_s": ("s", "arrival time"),
         "scheduled_s": ("s", "first admission (load issued or first prefill step); null if never admitted"),
         "first_token_s": ("s", "time of the first output token; null if none"),

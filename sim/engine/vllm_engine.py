@@ -47,7 +47,7 @@ from sim.engine.loop import Engine, EngineConfig, InvariantViolation, Simulation
 from sim.engine.metrics import OccupancyRow, Recorder, RunSummary, StepRow, TransferRow
 from sim.model.costs import before_loads_s
 from sim.model.real_vllm import RealJob, RealVllmScheduler
-from sim.model.request import Request, RequestStatus
+from sim.model.request import Request
 from sim.model.scheduler import SchedulerHooks, SchedulerStats
 
 __all__ = ["VllmEngine", "simulate_vllm"]
@@ -93,18 +93,6 @@ class VllmEngine(Engine):
         return self.real.version
 
     # -- processes ------------------------------------------------------------------
-
-    def _lifecycle(self, req: Request) -> Proc:
-        r = self.real.add_request(req)
-        if r.status.value == RequestStatus.REJECTED.value:  # on arrival: longer than max_model_len
-            self._write_request(r)
-            return
-        done = self._done[r.req_id] = self.env.event()
-        self.kick()
-        yield done | self._stop
-        if r.status is not RequestStatus.FINISHED and r.status is not RequestStatus.REJECTED:
-            r.status = RequestStatus.UNFINISHED
-        self._write_request(r)
 
     def _drained(self) -> bool:
         return not self.real.has_work() and not self.xfers and not self._unsubmitted()

@@ -91,7 +91,8 @@ SUMMARY_KEYS: dict[str, Key] = {
                "time_limit (output.max_sim_time_s) | queue_limit (output.stop_at_waiting)"),
     "requests.arrived": Key("int", "requests", "requests that arrived"),
     "requests.finished": Key("int", "requests", "requests that finished"),
-    "requests.rejected": Key("int", "requests", "requests rejected: the prompt never fits in the GPU pool"),
+    "requests.rejected": Key("int", "requests", "requests rejected: longer than `max_model_len` (on "
+                                                         "arrival) or never fitting in the GPU pool"),
     "requests.rejected_share": Key("float", "share", "rejected / arrived (0 when nothing arrived)"),
     "tokens.prompt": Key("int", "tokens", "prompt tokens of every request that arrived"),
     "tokens.gpu_hit": Key("int", "tokens", "prompt tokens found in the GPU prefix cache at first admission"),

@@ -946,7 +946,8 @@ def summary_warnings(summary: dict[str, Any]) -> list[str]:
         share = req.get("rejected_share")
         share_text = f" ({share:.1%})" if isinstance(share, float) else ""
         out.append(f"{req['rejected']} of {req.get('arrived')} requests{share_text} were rejected "
-                   f"(too long for the GPU pool); TTFT/TPOT percentiles are of served requests, "
+                   f"(longer than max_model_len, the longest request the GPU pool holds); "
+                   f"TTFT/TPOT percentiles are of served requests, "
                    f"see also 'rejected = never'")
     return out
 

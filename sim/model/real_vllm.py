@@ -36,9 +36,9 @@ Simplifications (of the driving, not of vLLM's decisions)
     * Too-long requests: vLLM refuses at start-up a ``max_model_len`` its KV
       cache cannot hold, and its input processor rejects longer prompts. kvsim
       sets ``max_model_len`` to the longest request one pool can hold (each
-      group's worst case with a full ``max_num_batched_tokens`` chunk) and
-      rejects longer requests on arrival (kvsim's own model rejects them when
-      they are first found not to fit).
+      group's worst case with a full ``max_num_batched_tokens`` chunk,
+      :func:`sim.model.scheduler.max_model_len`) and rejects longer requests on
+      arrival, as kvsim's own model does.
     * A vLLM assertion (the modelled crash) leaves vLLM's state undefined:
       the run stops there (``stopped_on_crash``) whatever ``on_crash`` says;
       the crash is an ``events`` row and the request's ``crash`` column.
@@ -65,7 +65,6 @@ import contextlib
 import importlib
 import itertools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -77,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.model.costs import StepLoad, pieces_per_block
-from sim.model.layout import GroupKind, Layout
+from sim.model.layout import GroupKind
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
     AttendedContext,
@@ -85,7 +84,7 @@ from sim.model.scheduler import (
     SchedulerConfig,
     SchedulerHooks,
     SchedulerStats,
-    admission_caps,
+    max_model_len,
 )
 
 __all__ = ["SUPPORTED_VERSIONS", "RealStep", "RealVllmScheduler", "VllmMissingError", "installed_version"]
@@ -218,30 +217,6 @@ def _tiny_model_dir() -> str:
             "rms_norm_eps": 1e-5, "torch_dtype": "float16", "eos_token_id": 2, "bos_token_id": 1}))
         tmp.replace(cfg)
     return str(root)
-
-
-def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
-    """The longest request one block pool holds: every group's worst case (its admission
-    cap, :func:`~sim.model.scheduler.admission_caps`), as vLLM sizes ``max_model_len``
-    against its KV cache."""
-    usable = gpu_blocks - 1  # the null block
-    caps = admission_caps(layout, max_batched)
-
-    def need(n: int) -> int:
-        total = 0
-        for g, cap in zip(layout.groups, caps, strict=True):
-            blocks = math.ceil(n / g.tokens_per_block)
-            total += 2 if g.kind is GroupKind.MAMBA else blocks if cap is None else min(blocks, cap)
-        return total
-
-    lo, hi = 0, 1 << 26
-    while lo < hi:  # the largest n with need(n) <= usable
-        mid = (lo + hi + 1) // 2
-        if need(mid) <= usable:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class _InOrder(set):  # type: ignore[type-arg]
@@ -494,16 +469,20 @@ class RealVllmScheduler:
         waiting = list(self.sched.waiting) + list(getattr(self.sched, "skipped_waiting", ()))
         return sum(1 for q in waiting if q.status.name == "WAITING_FOR_REMOTE_KVS")
 
-    def add_request(self, req: Request) -> LiveRequest:
+    def add_request(self, req: Request, now: float | None = None) -> LiveRequest:
+        """``req`` reaches vLLM at ``now`` (:meth:`~sim.model.scheduler.Scheduler.add_request`:
+        rejected on arrival, as kvsim's model does, when longer than ``max_model_len``)."""
         r = LiveRequest(req, self.layout.tokens_per_hash)
         self.stats.requests_arrived += 1
         self.stats.prompt_tokens += req.prompt_tokens
         total = req.prompt_tokens + req.output_tokens
         if total > self.max_model_len:  # the caller writes its row at once
             r.status = RequestStatus.REJECTED
-            self._event("rejected", "too_long", r.req_id,
-                        f"{total} tokens exceed max_model_len {self.max_model_len} "
-                        "(what the block pool holds)")
+            r.finish_s = now = self.now if now is None else now
+            self.hooks.event(ModelEvent(
+                now, "rejected", "too_long", r.req_id, -1, -1,
+                f"{req.prompt_tokens} prompt and {req.output_tokens} output tokens: {total} exceed "
+                f"max_model_len {self.max_model_len} (the longest request the GPU block pool holds)"))
             return r
         ph = self._per_hash
         hashes = req.block_hashes

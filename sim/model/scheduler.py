@@ -4,7 +4,7 @@ What it models
     The scheduler of one vLLM engine with the OffloadingConnector (vLLM v1
     ``Scheduler``): the waiting queue, the running batch, the token budget,
     chunked prefill, preemption, admission through the connector, and the
-    rejection of requests that never fit. It owns the GPU KV cache
+    rejection of requests longer than ``max_model_len``. It owns the GPU KV cache
     (:mod:`sim.model.gpu_cache`), the CPU chunk cache and the connector
     (:mod:`sim.model.connector`, :mod:`sim.model.cpu_cache`). It knows no
     clock: every call is given the simulated time, and the SimPy engine
@@ -76,9 +76,13 @@ Simplifications
       asynchronous load, or still prefilling) need for their whole sequence.
       The allocator's watermark is vLLM's default, 0. Mamba groups have no
       admission cap here.
-    * A new request that cannot fit even in an empty GPU is rejected
-      (recorded) instead of waiting forever; waiting requests holding blocks
-      while nothing runs are preempted (deadlock breaker, see
+    * A request longer than :func:`max_model_len` (the longest request the
+      pool holds, each group at its worst case) is rejected on arrival, as
+      vLLM refuses a request longer than its ``max_model_len`` (which its
+      start-up check bounds the same way; a deployment may set it lower).
+      A request within the bound that still cannot fit even in an empty GPU
+      is rejected (recorded) instead of waiting forever; waiting requests
+      holding blocks while nothing runs are preempted (deadlock breaker, see
       :meth:`Scheduler._no_room`).
     * Store jobs are created in schedule order (running requests first, then
       newly admitted, then requests finished in the previous step).
@@ -143,6 +147,7 @@ __all__ = [
     "StepOutput",
     "StepPlan",
     "TransferJob",
+    "max_model_len",
 ]
 
 #: new GPU block ids per group, or None when the step allocated nothing
@@ -372,9 +377,13 @@ class StepPlan:
     @property
     def busy(self) -> bool:
         """Whether the step does anything (the engine adds deferred stores and
-        polled completions)."""
+        polled completions). Releasing the connector state of requests finished
+        in the previous step is not enough: that step was busy, so this one
+        comes at once anyway, and a next step at the same time would only
+        repeat its lookups (kvsim's engine with vLLM deciding does not take it
+        either: :mod:`sim.engine.vllm_engine`)."""
         return bool(self.scheduled or self.loads or self.stores or self.admitted or self.preempted
-                    or self.released_finished or self.flush or self.broke_deadlock)
+                    or self.flush or self.broke_deadlock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,6 +610,31 @@ def admission_caps(layout: Layout, max_batched: int) -> tuple[int | None, ...]:
     return tuple(caps)
 
 
+def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
+    """The longest request (prompt and output tokens) one block pool holds: every group's
+    worst case (its admission cap, :func:`admission_caps`), as vLLM checks ``max_model_len``
+    against its KV cache at start-up. Longer requests are rejected on arrival."""
+    usable = gpu_blocks - 1  # the null block
+    caps = admission_caps(layout, max_batched)
+    groups = layout.groups
+
+    def need(n: int) -> int:
+        total = 0
+        for g, cap in zip(groups, caps, strict=True):
+            blocks = cdiv(n, g.tokens_per_block)
+            total += 2 if g.kind is GroupKind.MAMBA else blocks if cap is None else min(blocks, cap)
+        return total
+
+    lo, hi = 0, 1 << 26
+    while lo < hi:  # the largest n with need(n) <= usable
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Scheduler:
     """The clock-free scheduler of one engine (see the module docstring).
 
@@ -681,6 +715,8 @@ class Scheduler:
         self.snapshot_lookup: tuple[str, float] | None = None
         #: per group, the most blocks one request is required to hold (vLLM's admission cap)
         self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
+        #: the longest request (prompt and output tokens) admitted: longer ones are rejected on arrival
+        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
         #: the same caps for the full-input admission check (None: off)
         self.admit_caps = self._reserve_caps if cfg.reserve_full_isl else None
         #: vLLM's in-flight prefills (``Scheduler._inflight_prefills``): requests admitted with an
@@ -690,12 +726,25 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> LiveRequest:
-        """A request arrives: it joins the waiting queue."""
+    def add_request(self, req: Request, now: float | None = None) -> LiveRequest:
+        """A request reaches the scheduler at ``now`` (default: the last step's time): it
+        joins the waiting queue, or is rejected at once (status ``REJECTED``, an event) when
+        its prompt and output tokens exceed :attr:`max_model_len`, as vLLM refuses a request
+        longer than its ``max_model_len``; the caller writes its row."""
         r = LiveRequest(req, self.tph)
-        self.requests[r.req_id] = r
         self.stats.requests_arrived += 1
         self.stats.prompt_tokens += r.num_prompt_tokens
+        total = req.prompt_tokens + req.output_tokens
+        if total > self.max_model_len:
+            r.status = _REJECTED
+            r.finish_s = now = self.now if now is None else now
+            self.hooks.event(ModelEvent(
+                now, "rejected", "too_long", r.req_id, -1, -1,
+                f"{r.num_prompt_tokens} prompt and {req.output_tokens} output tokens: {total} exceed "
+                f"max_model_len {self.max_model_len} (the longest request the GPU block pool holds)"))
+            self._consume_use(r)
+            return r
+        self.requests[r.req_id] = r
         self.waiting.append(r)
         if self.conn is not None:
             self.conn.on_new_request(r)

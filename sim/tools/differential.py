@@ -36,8 +36,9 @@ Known divergences
     by kind:
 
     * ``too_long``: a request longer than the pool holds is rejected by vLLM
-      on arrival (``max_model_len``) and by kvsim's model when it is first
-      found not to fit; the model's decisions about it are left out.
+      on arrival (``max_model_len``); the model's decisions about it are left
+      out. kvsim's model rejects it on arrival too (docs/vllm.md, finding 17),
+      so none is expected.
 
 The report
     :class:`DifferentialReport`: the decisions compared, the first divergence

@@ -26,8 +26,9 @@ Known divergences
     the docs before the comparison are counted apart, by kind:
 
     * ``too_long``: a request longer than what the block pool holds is
-      rejected by vLLM on arrival (``max_model_len``) and by kvsim's model
-      when it is first found not to fit (its deadlock breaker).
+      rejected by vLLM on arrival (``max_model_len``); kvsim's model rejects
+      it on arrival by the same bound, so only a request its fallback
+      rejects later (one within the bound that still does not fit) counts.
 
 Simplifications
     * No check/1 reproducer (``kvsim run --decisions differential`` writes one).

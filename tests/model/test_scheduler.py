@@ -21,6 +21,8 @@ from sim.model.scheduler import (
     SchedulerHooks,
     StepOutput,
     StepPlan,
+    admission_caps,
+    max_model_len,
 )
 
 #: one full-attention group, 16-token blocks, one block per chunk, 1000 bytes a block
@@ -275,11 +277,45 @@ def test_where_a_deferred_request_waits_behind_a_preempted_one(logic: str) -> No
         assert first == ("b", "|") and after == ("b", "|", "c") and looked_up
 
 
-def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:
-    """4 usable blocks (64 tokens): a 100-token prompt cannot be allocated
-    even in an empty pool: rejected (an event, released), and the request
-    behind it is admitted in the same step."""
+def test_a_request_longer_than_max_model_len_is_rejected_on_arrival() -> None:
+    """4 usable blocks of 16 tokens: ``max_model_len`` is 64, as vLLM would require of a
+    pool that small. A request of 62 + 2 tokens is queued; one of 62 + 3 is rejected when it
+    arrives (an event at the given time, never queued, nothing held), as vLLM refuses it."""
     w = World(gpu_blocks=5, offloading=False)
+    assert w.sched.max_model_len == 64
+    w.sched.now = 3.0
+    ok = w.sched.add_request(make_request("ok", 62, 2, 1))
+    big = w.sched.add_request(make_request("big", 62, 3, 2), 7.5)
+    assert ok.status is RequestStatus.WAITING and list(w.sched.requests) == ["ok"]
+    assert big.status is RequestStatus.REJECTED and big.finish_s == 7.5
+    assert w.events == [ModelEvent(7.5, "rejected", "too_long", "big", -1, -1,
+                                   "62 prompt and 3 output tokens: 65 exceed max_model_len 64 "
+                                   "(the longest request the GPU block pool holds)")]
+    assert w.sched.stats.requests_arrived == 2 and w.released == []
+    plan, _ = w.step()
+    assert batch(plan) == [("ok", 62)] and w.sched.gpu.pool.num_used == 4
+
+
+def test_max_model_len_is_each_groups_worst_case() -> None:
+    """A sliding-window group holds at most its window, one step's tokens and a partial block
+    (:func:`admission_caps`), so ``max_model_len`` grows with the pool only through the
+    full-attention group: 1 null block, 16 window blocks of 8 tokens (cdiv(63 + 64, 8) + 1),
+    the rest for 16-token full-attention blocks."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 16), GroupSpec(GroupKind.SLIDING_WINDOW, 8, window=64)],
+                       tokens_per_hash=8, blocks_per_chunk=1)
+    assert admission_caps(layout, 64) == (None, 17)
+    for blocks in (100, 1000):
+        n = max_model_len(layout, blocks, 64)
+        assert n == 16 * (blocks - 1 - 17), blocks   # the full group's blocks, once the window is capped
+
+
+def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:
+    """The fallback behind the arrival check (a bound looser than what the model allocates,
+    set by hand here): 4 usable blocks (64 tokens), a 100-token prompt cannot be allocated
+    even in an empty pool: rejected (an event, released), and the request behind it is
+    admitted in the same step."""
+    w = World(gpu_blocks=5, offloading=False)
+    w.sched.max_model_len = 10**6
     big = w.add("big", 100, 2, prefix=4)
     small = w.add("small", 32, 2, prefix=5)
     plan, _ = w.step()
@@ -295,6 +331,7 @@ def test_the_full_input_reservation_rejects_a_prompt_the_pool_cannot_hold_at_onc
     100-token prompt needs 7 blocks of the 4 free, so it is never given a chunk; with the
     pool to itself it is rejected in the first step, holding nothing."""
     w = World(gpu_blocks=5, max_num_batched_tokens=32, offloading=False)
+    w.sched.max_model_len = 10**6   # past the arrival check, as in the test above
     big = w.add("big", 100, 2, prefix=4)
     plan, _ = w.step()
     assert not plan.scheduled and big.status is RequestStatus.REJECTED
@@ -323,6 +360,7 @@ def test_a_chunked_prefill_that_outgrows_the_pool_alone_is_rejected() -> None:
     gets 2 chunks (4 blocks); its third chunk does not fit even with the pool to itself:
     rejected, the step counts as a deadlock break (no endless self-preemption)."""
     w = World(gpu_blocks=5, max_num_batched_tokens=32, offloading=False, reserve_full_isl=False)
+    w.sched.max_model_len = 10**6   # past the arrival check, as in the tests above
     big = w.add("big", 100, 2, prefix=4)
     assert [batch(w.step()[0]) for _ in range(2)] == [[("big", 32)], [("big", 32)]]
     assert w.sched.gpu.pool.num_used == 4
@@ -509,3 +547,13 @@ def test_attended_context_load_equals_the_reference(window: int, chunk: int, dat
     ctx = AttendedContext(layout)
     assert ctx.load(work) == ctx.load_reference(work)
     assert ctx.load(work, 7) == ctx.load_reference(work, 7)
+
+
+def test_releasing_finished_requests_alone_is_no_work() -> None:
+    """A step that only released the connector state of requests finished in the previous
+    step is not busy (the engine takes no further step at the same time for it, as with
+    vLLM deciding); a store it builds, or a deadlock it breaks, is."""
+    assert not StepPlan(released_finished=True).busy
+    assert StepPlan(released_finished=True, broke_deadlock=True).busy
+    assert StepPlan(flush=frozenset({3})).busy
+

@@ -306,6 +306,62 @@ def test_no_room_while_a_load_is_in_flight_stops_admission_as_vllm_does(logic: s
     assert res.summary.preemptions < 10
 
 
+@pytest.mark.parametrize("logic", ["old", "new", "latest"])
+def test_requests_longer_than_max_model_len_are_rejected_on_arrival(logic: str):
+    """Regression (seed 6 run 594 of the run fuzzer's generator, found under LATEST): a
+    270-block pool holds requests of at most ``max_model_len`` = 496 tokens; vLLM refuses
+    longer ones when they arrive. kvsim's model queued them and rejected one only once
+    nothing else ran; under 0.33's logic (a skipped request goes back to the head of the
+    queue) the run thrashed for the whole simulated hour (41,154 preemptions, 8 of 41
+    requests done). Now each is rejected at the time it reaches the scheduler, and the run
+    ends in seconds in every logic (tests/tools/test_vllm_mode.py runs it against vLLM)."""
+    from sim.engine.loop import Engine
+    from sim.engine.metrics import MemorySink, Recorder
+    from sim.io.scenario import build_run
+    from sim.model.scheduler import max_model_len
+
+    data = {**fuzz.run_config(fuzz._rng_for(6, 594)), "window_logic": logic}
+    spec = build_run(data, Path("fuzz-s6-i594.toml"))
+    cfg = spec.engine_config()
+    limit = max_model_len(cfg.layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+    assert limit == 496
+    sink = MemorySink()
+    res = Engine(cfg, spec.requests(), Recorder(sink), None).run()
+    assert res.status == "ok" and res.summary.sim_time_s < 10 and res.summary.preemptions < 10
+    frames = sink.frames()
+    req = frames["requests"].set_index("req_id")
+    total = {r.req_id: r.prompt_tokens + r.output_tokens for r in spec.requests()}   # output asked for
+    long = req.index.map(total) > limit
+    assert (req.status[long] == "rejected").all() and (req.status[~long] == "finished").all()
+    assert long.sum() == res.summary.requests_rejected == 29
+    assert req.scheduled_s[long].isna().all() and (req.finish_s[long] >= req.arrival_s[long]).all()
+    ev = frames["events"]
+    assert list(ev.detail) == ["too_long"] * 29
+    assert dict(zip(ev.req_id, ev.t_s, strict=True)) == req.finish_s[long].to_dict()
+
+
+def test_a_step_that_only_releases_finished_requests_is_followed_by_no_step_at_once():
+    """Regression (seed 5 run 523, against vLLM 0.29.0, 0.30.0 and 0.33.0 in lockstep): the
+    step after s4t0's last decode (t = 1.948147 s) only released it (nothing to store, a
+    load still on its way); kvsim's engine counted that as work and took another step at
+    the same time, repeating that step's lookup, where vLLM's next step came when the load
+    completed (2.152972 s). Now one step runs at 1.948147 s."""
+    from sim.engine.loop import Engine
+    from sim.engine.metrics import MemorySink, Recorder
+    from sim.io.scenario import build_run
+
+    data = {**fuzz.run_config(fuzz._rng_for(5, 523)), "window_logic": "new"}
+    data["scheduler"]["fast_forward"] = False
+    spec = build_run(data, Path("fuzz-s5-i523.toml"))
+    engine = Engine(spec.engine_config(), spec.requests(), Recorder(MemorySink()), None)
+    times: list[float] = []
+    engine.on_schedule = lambda plan: times.append(round(engine.env.now, 6))
+    engine.run()
+    assert times.count(1.948147) == 1
+    after = times[times.index(1.948147) + 1:]
+    assert after[:2] == [2.152972, 2.152972]   # the load's completion is polled, then s2t1 admitted
+
+
 # -- parallel regress ----------------------------------------------------------------------------
 
 
