@@ -58,7 +58,7 @@ from sim.tools.calibrate import DEFAULT_FIT, FIT_KEYS
 from sim.tools.compare import compare_runs, compare_table
 from sim.tools.export import FORMATS as EXPORT_FORMATS
 from sim.tools.export import export_folder
-from sim.tools.fuzz import COVERAGE, fuzz_decisions, fuzz_runs
+from sim.tools.fuzz import COVERAGE, RUN_LOGICS, fuzz_decisions, fuzz_runs
 from sim.tools.plots import write_plots
 from sim.tools.regress import library_table, run_library, write_junit
 from sim.tools.replay import replay_check
@@ -595,7 +595,7 @@ def add_fuzz_parser(sub: Any) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--budget", type=int, metavar="N", help="check scenarios to search (OLD vs NEW)")
     mode.add_argument("--runs", type=int, metavar="N",
-                      help="random whole runs to simulate (OLD and NEW each)")
+                      help="random whole runs to simulate (OLD, NEW and LATEST each)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
     p.add_argument("--logic-pair", metavar="A,B",
                    help="--budget: the two different logics compared (default old,new)")
@@ -703,10 +703,11 @@ def _cmd_runs(args: argparse.Namespace, command: str) -> int:
     for f in rep.findings:
         print(f"{f.kind:10s} {f.logic.upper():4s} x{f.count:<4d} run {f.index}: {f.detail[:160]}  "
               f"-> {f.path} ({f.status})")
-    cov = ", ".join(f"{name} {rep.coverage.get(f'old:{name}', 0)}/{rep.coverage.get(f'new:{name}', 0)}"
+    cov = ", ".join(f"{name} " + "/".join(str(rep.coverage.get(f"{lg}:{name}", 0)) for lg in RUN_LOGICS)
                     for name in COVERAGE)
-    print(f"kvsim fuzz: simulations (OLD/NEW) with {cov}")
-    print(f"kvsim fuzz: {_n(rep.runs, 'run')} ({_n(rep.simulations, 'simulation')}, OLD and NEW) in "
+    names = "/".join(lg.upper() for lg in RUN_LOGICS)
+    print(f"kvsim fuzz: simulations ({names}) with {cov}")
+    print(f"kvsim fuzz: {_n(rep.runs, 'run')} ({_n(rep.simulations, 'simulation')}, {names}) in "
           f"{rep.wall_s:.2f} s wall: {rep.rate:.1f} runs/s; {_n(len(rep.findings), 'distinct finding')}")
     return 1 if rep.findings else 0
 

@@ -75,10 +75,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sim.errors import THE_SCENARIO, InputError
 from sim.model.costs import StepLoad, pieces_per_block
 from sim.model.layout import GroupKind
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
+    MAX_POSITIONS,
     AttendedContext,
     ModelEvent,
     SchedulerConfig,
@@ -213,7 +215,7 @@ def _tiny_model_dir() -> str:
         tmp.write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
-            "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 24,
+            "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": MAX_POSITIONS,
             "rms_norm_eps": 1e-5, "torch_dtype": "float16", "eos_token_id": 2, "bos_token_id": 1}))
         tmp.replace(cfg)
     return str(root)
@@ -253,18 +255,25 @@ class RealVllmScheduler:
         self.now = 0.0
         self.context = AttendedContext(layout)
         self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
-        kv_config = self._kv_cache_config()
-        vcfg = self._vllm_config()
-        vcfg.cache_config.num_gpu_blocks = cfg.gpu_blocks
-        block_size, hash_size = v["resolve_kv_cache_block_sizes"](kv_config, vcfg)
+        try:   # vLLM validates the configuration here: a refusal is bad input, said in one line
+            kv_config = self._kv_cache_config()
+            vcfg = self._vllm_config()
+            vcfg.cache_config.num_gpu_blocks = cfg.gpu_blocks
+            block_size, hash_size = v["resolve_kv_cache_block_sizes"](kv_config, vcfg)
+            self.sched = v["VScheduler"](vllm_config=vcfg, kv_cache_config=kv_config, log_stats=False,
+                                         structured_output_manager=v["StructuredOutputManager"](vcfg),
+                                         block_size=block_size, hash_block_size=hash_size)
+        except Exception as exc:   # an AssertionError, ValueError or pydantic's ValidationError
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise InputError(THE_SCENARIO, "decisions",
+                             f"vLLM {self.version} refuses this configuration: {why[:300]}",
+                             'a configuration vLLM accepts, or decisions = "model"') from None
         if hash_size % layout.tokens_per_hash:
-            raise ValueError(f"vLLM hashes {hash_size}-token blocks for this layout; kvsim's "
-                             f"scheduler.tokens_per_hash ({layout.tokens_per_hash}) must divide it")
+            raise InputError(THE_SCENARIO, "scheduler.tokens_per_hash",
+                             f"vLLM {self.version} hashes {hash_size}-token blocks for this layout; "
+                             f"{layout.tokens_per_hash} does not divide it", f"a divisor of {hash_size}")
         self.hash_size = hash_size
         self._per_hash = hash_size // layout.tokens_per_hash
-        self.sched = v["VScheduler"](vllm_config=vcfg, kv_cache_config=kv_config, log_stats=False,
-                                     structured_output_manager=v["StructuredOutputManager"](vcfg),
-                                     block_size=block_size, hash_block_size=hash_size)
         #: the connector's lookups, (request, local hit tokens, external tokens or None, async),
         #: appended while a list (as :attr:`sim.model.scheduler.Scheduler.lookup_log`)
         self.lookup_log: list[tuple[str, int, int | None, bool]] | None = None

@@ -131,6 +131,7 @@ from sim.model.tiers import TieredCache, TierSpec
 from sim.model.windows import profile
 
 __all__ = [
+    "MAX_POSITIONS",
     "Admission",
     "AdmitOutcome",
     "AttendedContext",
@@ -610,10 +611,16 @@ def admission_caps(layout: Layout, max_batched: int) -> tuple[int | None, ...]:
     return tuple(caps)
 
 
+#: the longest request any layout admits (2**24 tokens: a layout without full attention
+#: holds requests of any length; the model config kvsim gives vLLM allows as many positions)
+MAX_POSITIONS = 1 << 24
+
+
 def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
     """The longest request (prompt and output tokens) one block pool holds: every group's
     worst case (its admission cap, :func:`admission_caps`), as vLLM checks ``max_model_len``
-    against its KV cache at start-up. Longer requests are rejected on arrival."""
+    against its KV cache at start-up, and at most :data:`MAX_POSITIONS`. Longer requests are
+    rejected on arrival."""
     usable = gpu_blocks - 1  # the null block
     caps = admission_caps(layout, max_batched)
     groups = layout.groups
@@ -625,7 +632,7 @@ def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
             total += 2 if g.kind is GroupKind.MAMBA else blocks if cap is None else min(blocks, cap)
         return total
 
-    lo, hi = 0, 1 << 26
+    lo, hi = 0, MAX_POSITIONS
     while lo < hi:  # the largest n with need(n) <= usable
         mid = (lo + hi + 1) // 2
         if need(mid) <= usable:

@@ -36,7 +36,8 @@ Whole-run fuzzer (``kvsim fuzz --runs N --seed S [--copy-path]``)
     Random small ``run/1`` scenarios (inline layouts with real shapes, small
     GPU pools so that requests are preempted, small CPU caches so that chunks
     are evicted, slow links so that jobs overlap, uniform or multi-turn
-    workloads of tens of requests), each simulated under OLD and NEW. A
+    workloads of tens of requests), each simulated under OLD, NEW and LATEST
+    (:data:`RUN_LOGICS`). A
     finding is an end-of-run :class:`~sim.engine.loop.InvariantViolation` or any
     other exception (a simulator bug) and, with ``--copy-path``, an integrity
     violation under NEW. Each distinct finding is written as a ``run/1`` file
@@ -1075,6 +1076,10 @@ COVERAGE = ("preemptions", "load_jobs", "store_rejections", "deferrals", "reques
              "hazards", "integrity_violations")
 
 
+#: the logics each whole run is simulated under: the three releases kvsim models
+RUN_LOGICS: tuple[Logic, ...] = ("old", "new", "latest")
+
+
 def _check_run(data: dict[str, Any], logic: str, copy_path: bool, wall_limit_s: float = 10.0
                ) -> tuple[tuple[str, str] | None, dict[str, int]]:
     """(kind, detail) of a finding of one run (or None), and which behaviours
@@ -1114,7 +1119,7 @@ def _run_unit(args: tuple[int, int, int, bool]) -> tuple[int, list[RunFinding], 
     rng = random.Random()
     for i in range(start, stop):
         data = run_config(_rng_for(seed, i, rng), copy_path)
-        for logic in ("old", "new"):
+        for logic in RUN_LOGICS:
             hit, cov = _check_run(data, logic, copy_path)
             for k, v in cov.items():
                 seen[k] = seen.get(k, 0) + v
@@ -1180,7 +1185,7 @@ def run_toml(f: RunFinding, seed: int, origin: str) -> str:
 def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None = None, jobs: int = 1,
               progress: Callable[[int], None] | None = None, command: str = "",
               unit: int = 8) -> RunFuzzReport:
-    """Simulate ``runs`` random small runs under OLD and NEW; collect findings."""
+    """Simulate ``runs`` random small runs under each of :data:`RUN_LOGICS`; collect findings."""
     if copy_path:
         import torch  # noqa: F401, PLC0415 -- optional extra; fail early, with the caller's message
     t0 = time.perf_counter()
@@ -1209,4 +1214,4 @@ def fuzz_runs(runs: int, seed: int, *, copy_path: bool = False, out: Path | None
         if out is not None:
             f.path = out / f"fuzz-run-s{seed}-i{f.index}-{f.logic}-{f.kind}.toml"
             f.status = _write_text(f.path, run_toml(f, seed, origin))
-    return RunFuzzReport(seed, runs, 2 * runs, wall, findings, dict(sorted(coverage.items())))
+    return RunFuzzReport(seed, runs, len(RUN_LOGICS) * runs, wall, findings, dict(sorted(coverage.items())))

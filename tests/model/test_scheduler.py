@@ -14,6 +14,7 @@ from sim.model.costs import StepCostModel
 from sim.model.layout import GroupKind, GroupSpec, Layout
 from sim.model.request import LiveRequest, Request, RequestStatus
 from sim.model.scheduler import (
+    MAX_POSITIONS,
     AttendedContext,
     ModelEvent,
     Scheduler,
@@ -307,6 +308,10 @@ def test_max_model_len_is_each_groups_worst_case() -> None:
     for blocks in (100, 1000):
         n = max_model_len(layout, blocks, 64)
         assert n == 16 * (blocks - 1 - 17), blocks   # the full group's blocks, once the window is capped
+    # without full attention any length fits: the bound is the position limit kvsim gives vLLM
+    windows = Layout.of([GroupSpec(GroupKind.SLIDING_WINDOW, 8, window=64)], tokens_per_hash=8,
+                        blocks_per_chunk=1)
+    assert max_model_len(windows, 100, 64) == MAX_POSITIONS == 1 << 24
 
 
 def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:

@@ -320,3 +320,42 @@ def test_fuzzed_runs_agree_with_every_release(vllm_python: tuple[str, Path], tmp
     assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 1000, diff
     assert summary["end"] == "ok" and summary["engine"]["preemptions"] < 10
     assert summary["requests"]["rejected"] == (29 if (seed, run) == (6, 594) else 0)
+
+
+def test_a_configuration_vllm_refuses_is_one_line_and_exit_2(vllm_python: tuple[str, Path],
+                                                             tmp_path: Path) -> None:
+    """A hybrid Mamba layout without prefix caching whose Mamba block size does not divide
+    the hash block size vLLM derives: every release asserts while building its scheduler.
+    That is bad input for the vLLM modes (one line naming the release and vLLM's reason,
+    exit 2, no run folder), not a traceback."""
+    version, python = vllm_python
+    scenario = _write(tmp_path, """
+schema = "run/1"
+[model]
+label = "refused"
+groups = [{kind = "full", tokens_per_block = 64, layers = 1, kv_heads = 1, head_size = 4},
+          {kind = "mamba", tokens_per_block = 32, layers = 1, kv_heads = 1, head_size = 8},
+          {kind = "mamba", tokens_per_block = 32, layers = 1, kv_heads = 1, head_size = 8}]
+[hardware]
+gpu_blocks = 96
+[cpu_cache]
+chunks = 100
+[scheduler]
+prefix_caching = false
+tokens_per_hash = 16
+blocks_per_chunk = 1
+[workload]
+kind = "uniform"
+requests = 3
+[costs]
+step = "zero"
+""", "refused")
+    for mode in ("vllm", "differential"):
+        out = tmp_path / mode
+        r = _kvsim(python, "run", str(scenario), "--decisions", mode, "--out", str(out), cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not out.exists()
+        line = next(x for x in r.stderr.splitlines() if x.startswith("kvsim: error:"))
+        assert f"decisions: vLLM {version} refuses this configuration: " in line
+        assert "need --enable-prefix-caching" in line
+
