@@ -87,7 +87,9 @@ Simplifications
     * Store jobs are created in schedule order (running requests first, then
       newly admitted, then requests finished in the previous step).
     * A modelled crash with ``on_crash = "record"`` drops the request's
-      external hit for good (it recomputes from its local hit).
+      external hit for good (it recomputes from its local hit). A layout
+      vLLM asserts on at every local lookup (:func:`lookup_assertion`)
+      records one crash per request, which then goes on without a local hit.
 
 Invariants (checked at the end of a completed run: :meth:`Scheduler.invariant_problems`)
     * every request finished or was rejected;
@@ -109,7 +111,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.model.connector import LoadPlan, ModelledCrashError, OffloadingScheduler, StorePlan
+from sim.model.connector import LoadPlan, ModelledCrash, ModelledCrashError, OffloadingScheduler, StorePlan
 from sim.model.costs import (
     ZERO_STEP,
     StepLoad,
@@ -148,6 +150,7 @@ __all__ = [
     "StepOutput",
     "StepPlan",
     "TransferJob",
+    "lookup_assertion",
     "max_model_len",
 ]
 
@@ -611,6 +614,23 @@ def admission_caps(layout: Layout, max_batched: int) -> tuple[int | None, ...]:
     return tuple(caps)
 
 
+def lookup_assertion(layout: Layout) -> str | None:
+    """The assertion vLLM 0.29-0.33 raise at every local prefix-cache lookup of this
+    layout (None: none): with more than one group and no Mamba group, their hybrid
+    coordinator aligns a hit to the groups' least common block size and asks every group
+    for its hit, and the chunked-local finder asserts that its block size is that
+    alignment. Only with prefix caching (without it nothing is looked up)."""
+    align = layout.gpu_cache_align
+    if align is None:
+        return None
+    for g, spec in enumerate(layout.groups):
+        if spec.kind is GroupKind.CHUNKED_LOCAL and spec.tokens_per_block != align:
+            return (f"group {g}: chunked local attention with {spec.tokens_per_block}-token blocks in a "
+                    f"layout aligned to {align} tokens (KV cache groups with different block sizes are "
+                    "not compatible with chunked local attention)")
+    return None
+
+
 #: the longest request any layout admits (2**24 tokens: a layout without full attention
 #: holds requests of any length; the model config kvsim gives vLLM allows as many positions)
 MAX_POSITIONS = 1 << 24
@@ -724,6 +744,8 @@ class Scheduler:
         self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
         #: the longest request (prompt and output tokens) admitted: longer ones are rejected on arrival
         self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+        #: vLLM asserts at every local prefix-cache lookup of this layout (None: it does not)
+        self._lookup_assert = lookup_assertion(layout) if cfg.prefix_caching else None
         #: the same caps for the full-input admission check (None: off)
         self.admit_caps = self._reserve_caps if cfg.reserve_full_isl else None
         #: vLLM's in-flight prefills (``Scheduler._inflight_prefills``): requests admitted with an
@@ -915,10 +937,13 @@ class Scheduler:
 
     def _admit(self, r: LiveRequest, budget: int, allocated: set[int]) -> Admission:
         """Try to admit the waiting request at the head of the queue."""
-        gpu, conn = self.gpu, self.conn
+        conn = self.conn
         if r.num_computed > 0:        # promoted after its load
             return self._admit_loaded(r, budget, allocated)
-        local_tokens, local = gpu.find_hit(r.block_hashes, r.num_tokens - 1)
+        hit = self._local_hit(r)
+        if hit is None:
+            return _FULL
+        local_tokens, local = hit
         ext = 0
         load_async = False
         if conn is not None and not r.no_external:
@@ -929,9 +954,7 @@ class Scheduler:
                 return _DEFER
             ext, load_async = m.tokens, m.load_async
             self._consume_use(r)
-        if r.deferred_since is not None:     # the lookup answered after deferring
-            r.deferred_s += self.now - r.deferred_since
-            r.deferred_since = None
+        self._end_deferral(r)
         comp = local_tokens + ext
         num_new = 0 if load_async else min(r.num_tokens - comp, budget)
         reserved = self._inflight_reserved() if load_async else 0
@@ -965,6 +988,31 @@ class Scheduler:
         self._commit(r, comp + num_new)
         r.thr_slots, r.thr_comp = self._thresholds(r.req_id)
         return Admission(AdmitOutcome.ADMITTED, num_new, None, None)
+
+    def _end_deferral(self, r: LiveRequest) -> None:
+        """The lookup answered: the time ``r`` spent deferred ends (if it was)."""
+        if r.deferred_since is not None:
+            r.deferred_s += self.now - r.deferred_since
+            r.deferred_since = None
+
+    def _local_hit(self, r: LiveRequest) -> tuple[int, Any] | None:
+        """``r``'s local prefix-cache hit (tokens, per-group blocks). Where vLLM asserts at
+        this layout's lookup (:func:`lookup_assertion`) that is a modelled crash, recorded at
+        a request's first lookup: the run stops there (None, ``on_crash = "stop"``) or the
+        request goes on without a local hit."""
+        msg = self._lookup_assert
+        hit: tuple[int, Any]
+        if msg is None:
+            hit = self.gpu.find_hit(r.block_hashes, r.num_tokens - 1)
+            return hit
+        if r.crash is None:
+            self._record_crash(r, ModelledCrashError(ModelledCrash(
+                "assertion", None, None, msg, "vLLM kv_cache_coordinator: find_longest_cache_hit")))
+            if self.cfg.on_crash == "stop":
+                self.stopped = True
+                return None
+        hit = self.gpu.find_hit(r.block_hashes, 0)
+        return hit
 
     def _log_lookup(self, r: LiveRequest, local_tokens: int, ext: int | None, load_async: bool) -> None:
         """The differential mode's record of a lookup (and its snapshot, when asked for)."""

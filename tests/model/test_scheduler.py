@@ -23,6 +23,7 @@ from sim.model.scheduler import (
     StepOutput,
     StepPlan,
     admission_caps,
+    lookup_assertion,
     max_model_len,
 )
 
@@ -561,4 +562,64 @@ def test_releasing_finished_requests_alone_is_no_work() -> None:
     assert not StepPlan(released_finished=True).busy
     assert StepPlan(released_finished=True, broke_deadlock=True).busy
     assert StepPlan(flush=frozenset({3})).busy
+
+
+def _chunked_local_layout(cl_block: int) -> Layout:
+    return Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=1000),
+                      GroupSpec(GroupKind.CHUNKED_LOCAL, cl_block, attention_chunk=32, bytes_per_block=1000)],
+                     tokens_per_hash=8, blocks_per_chunk=1)
+
+
+def test_lookup_assertion_is_a_chunked_local_group_off_the_hybrid_alignment() -> None:
+    """vLLM 0.29-0.33 (kv_cache_coordinator / single_type_kv_cache_manager): a hybrid hit is
+    aligned to the groups' least common block size, and the chunked-local finder asserts
+    that its own block size is that alignment."""
+    assert lookup_assertion(_chunked_local_layout(16)) is None      # aligned: 16 = lcm(16, 16)
+    msg = lookup_assertion(_chunked_local_layout(8))
+    assert msg is not None and msg.startswith("group 1: chunked local attention with 8-token blocks in a "
+                                              "layout aligned to 16 tokens")
+    one = Layout.of([GroupSpec(GroupKind.CHUNKED_LOCAL, 8, attention_chunk=32)], tokens_per_hash=8,
+                    blocks_per_chunk=1)
+    assert lookup_assertion(one) is None                             # one group: no hybrid coordinator
+
+
+@pytest.mark.parametrize("on_crash", ["record", "stop"])
+def test_a_layout_vllm_asserts_on_at_lookup_records_a_crash(on_crash: str) -> None:
+    """With prefix caching, every local lookup of such a layout asserts in vLLM: the first
+    lookup of each request is a recorded crash (kind ``assertion``); with ``record`` the
+    request goes on with no local hit (its prefix was cached by the request before), with
+    ``stop`` the run stops at the first. Without prefix caching nothing is looked up."""
+    def world(cl_block: int = 8, **cfg: object) -> World:
+        w = World.__new__(World)
+        w.events, w.released, w.t = [], [], 0.0
+        hooks = SchedulerHooks(event=w.events.append, release=lambda r: w.released.append(r.req_id))
+        w.sched = Scheduler(SchedulerConfig(layout=_chunked_local_layout(cl_block), gpu_blocks=200,
+                                            offloading=False, **cfg), hooks)  # type: ignore[arg-type]
+        return w
+
+    w = world(on_crash=on_crash)
+    a = w.add("a", 64, 2, prefix=1)
+    plan, _ = w.step()
+    assert [e.kind for e in w.events] == ["crash"] and a.crash == "assertion"
+    assert w.events[0].message.startswith("vLLM kv_cache_coordinator: find_longest_cache_hit: group 1")
+    if on_crash == "stop":
+        assert plan.stopped
+        return
+    assert batch(plan) == [("a", 64)]
+    while a.status is not RequestStatus.FINISHED:
+        w.step()
+    b = w.add("b", 64, 2, prefix=1)   # the same prompt: cached, but the lookup asserted
+    w.step()
+    assert b.crash == "assertion" and b.gpu_hit_tokens == 0 and w.sched.stats.crashes == 2
+    aligned = world(cl_block=16)   # the same two requests where vLLM does not assert: b hits
+    a = aligned.add("a", 64, 2, prefix=1)
+    while a.status is not RequestStatus.FINISHED:
+        aligned.step()
+    b = aligned.add("b", 64, 2, prefix=1)
+    aligned.step()
+    assert b.gpu_hit_tokens == 32 and aligned.events == []
+    quiet = world(prefix_caching=False)
+    quiet.add("a", 64, 2, prefix=1)
+    quiet.step()
+    assert quiet.events == []
 

@@ -359,3 +359,23 @@ step = "zero"
         assert f"decisions: vLLM {version} refuses this configuration: " in line
         assert "need --enable-prefix-caching" in line
 
+
+
+@pytest.mark.parametrize("run", [11, 34])
+def test_a_chunked_local_layout_vllm_asserts_on_crashes_alike(vllm_python: tuple[str, Path], tmp_path: Path,
+                                                               run: int) -> None:
+    """Runs 11 and 34 of the run fuzzer's seed 7 (prefix caching on; a chunked-local group whose
+    block size is not the layout's common multiple: 16 in 64, 8 in 16): every release asserts
+    at the first local lookup; kvsim's model records the same crash at the same step, and the
+    lockstep agrees up to where vLLM stops."""
+    import tomli_w
+
+    from sim.tools import fuzz
+
+    version, python = vllm_python
+    data = {**fuzz.run_config(fuzz._rng_for(7, run)), "window_logic": VLLM_LOGIC_OF[version]}
+    scenario = tmp_path / f"fuzz-s7-i{run}.toml"
+    scenario.write_text(tomli_w.dumps(data))
+    _, summary, _ = _lockstep(python, scenario, tmp_path)
+    assert summary["differential"]["divergences"] == 0, summary["differential"]
+    assert summary["end"] == "stopped_on_crash" and summary["crashes"]["kinds"] == {"assertion": 1}
