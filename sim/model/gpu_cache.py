@@ -558,6 +558,14 @@ class GpuKVCache:
                     self.pool.commit(b, (block_hashes[(i + 1) * hpb - 1], g))
             done[g] = max(done[g], n)
 
+    def unhashed(self, req_id: str, g: int, num_tokens: int) -> list[int]:
+        """Positions of ``req_id``'s real blocks of group ``g`` below ``num_tokens`` that
+        carry no hash yet (what a commit up to ``num_tokens`` may hash)."""
+        blocks = self.req_blocks[req_id][g]
+        n = min(num_tokens // self._bs[g], len(blocks))
+        return [i for i in range(self._committed[req_id][g], n)
+                if blocks[i].block_id != NULL_BLOCK_ID and blocks[i].block_hash is None]
+
     def block_ids(self, req_id: str) -> list[list[int]]:
         """Per-group block ids of a request (0: null), fresh lists."""
         return [[b.block_id for b in blocks] for blocks in self.req_blocks[req_id]]

@@ -679,6 +679,15 @@ class GpuFastCache:
 
     # -- views ------------------------------------------------------------------------------
 
+    def unhashed(self, req_id: str, g: int, num_tokens: int) -> list[int]:
+        """Positions of ``req_id``'s real blocks of group ``g`` below ``num_tokens`` that
+        carry no hash yet (what a commit up to ``num_tokens`` may hash)."""
+        t = self._tables[req_id]
+        ids = t.lists[g]
+        bhash = self.pool.bhash
+        n = min(num_tokens // self._bs[g], len(ids))
+        return [i for i in range(t.done[g], n) if ids[i] != 0 and bhash[ids[i]] is None]
+
     def block_ids(self, req_id: str) -> list[list[int]]:
         """Per-group block ids of a request (0: null), fresh lists: the
         reference's ``[[b.block_id for b in blocks] for blocks in req_blocks[req_id]]``."""

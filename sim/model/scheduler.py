@@ -746,6 +746,14 @@ class Scheduler:
         self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
         #: vLLM asserts at every local prefix-cache lookup of this layout (None: it does not)
         self._lookup_assert = lookup_assertion(layout) if cfg.prefix_caching else None
+        #: a Mamba group (-1: none, or no prefix caching) and the hashes of the state blocks
+        #: committed in this step: vLLM's Mamba manager does not let a new request build on
+        #: one of those (``cached_blocks_this_step``; :meth:`_allocate_new`)
+        mamba = [g for g, spec in enumerate(layout.groups) if spec.kind is GroupKind.MAMBA]
+        self._mamba_group = mamba[0] if mamba and cfg.prefix_caching else -1
+        self._mamba_bs = layout.groups[mamba[0]].tokens_per_block if mamba else 1
+        self._mamba_hpb = self._mamba_bs // layout.tokens_per_hash
+        self._mamba_now: set[int] = set()
         #: the same caps for the full-input admission check (None: off)
         self.admit_caps = self._reserve_caps if cfg.reserve_full_isl else None
         #: vLLM's in-flight prefills (``Scheduler._inflight_prefills``): requests admitted with an
@@ -796,6 +804,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         self._broke_deadlock = False
         self._loads_this_step = 0
+        if self._mamba_now:
+            self._mamba_now.clear()
         sched: list[Scheduled] = []
         preempted: list[LiveRequest] = []
         allocated: set[int] = set()
@@ -1029,6 +1039,11 @@ class Scheduler:
         when its slots do not fit beside ``reserved`` blocks held back for in-flight
         prefills (an admission with an asynchronous load)."""
         gpu = self.gpu
+        if self._mamba_now and local_tokens >= self._mamba_bs and \
+                r.block_hashes[local_tokens // self._mamba_bs * self._mamba_hpb - 1] in self._mamba_now:
+            # the hit ends on a Mamba state block committed in this step: vLLM's Mamba manager
+            # asks for more blocks than the pool has (``cached_blocks_this_step``), so not now
+            return None
         caps = self.admit_caps
         if caps is not None and gpu.blocks_needed(local, local_tokens, ext, r.num_tokens,
                                                   caps) > gpu.pool.num_free:
@@ -1178,7 +1193,18 @@ class Scheduler:
 
     def _commit(self, r: LiveRequest, num_tokens: int) -> None:
         if self.cfg.prefix_caching:
-            self.gpu.commit(r.req_id, r.block_hashes, min(num_tokens, r.num_tokens))
+            n = min(num_tokens, r.num_tokens)
+            mg = self._mamba_group
+            if mg >= 0:   # note the Mamba state blocks this commit hashes (vLLM: cached this step)
+                gpu = self.gpu
+                fresh = gpu.unhashed(r.req_id, mg, n)
+                gpu.commit(r.req_id, r.block_hashes, n)
+                if fresh:
+                    left = set(gpu.unhashed(r.req_id, mg, n))
+                    hpb, hs = self._mamba_hpb, r.block_hashes
+                    self._mamba_now.update(hs[(i + 1) * hpb - 1] for i in fresh if i not in left)
+                return
+            self.gpu.commit(r.req_id, r.block_hashes, n)
 
     def _preempt(self, r: LiveRequest) -> None:
         """Recompute preemption: blocks freed, back to the front of the waiting queue."""

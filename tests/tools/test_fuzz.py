@@ -362,6 +362,38 @@ def test_a_step_that_only_releases_finished_requests_is_followed_by_no_step_at_o
     assert after[:2] == [2.152972, 2.152972]   # the load's completion is polled, then s2t1 admitted
 
 
+def test_a_hit_on_a_mamba_block_committed_in_the_same_step_waits():
+    """Regression (seed 7 run 22 of the run fuzzer's generator, in lockstep with vLLM 0.29.0
+    and 0.30.0: full attention, a 2-token sliding window and a Mamba group, prefix caching
+    on). At t = 1.57858 s s9t0's last prefill chunk commits its Mamba state block at 448
+    tokens and s9t1, its next turn, finds a 448-token local hit ending on that block. vLLM's
+    Mamba manager refuses to build on a state block cached in the same step (it asks for
+    more blocks than the pool has), so s9t1 is not admitted and admission stops; kvsim
+    admitted it with the 3 tokens of budget left. Now it waits for the next step."""
+    from sim.engine.loop import Engine
+    from sim.engine.metrics import MemorySink, Recorder
+    from sim.io.scenario import build_run
+
+    data = {**fuzz.run_config(fuzz._rng_for(7, 22)), "window_logic": "new"}
+    data["scheduler"]["fast_forward"] = False
+    spec = build_run(data, Path("fuzz-s7-i22.toml"))
+    engine = Engine(spec.engine_config(), spec.requests(), Recorder(MemorySink()), None)
+    engine.sched.lookup_log = []
+    seen: dict[float, tuple[list, list]] = {}
+
+    def on_schedule(plan) -> None:
+        seen[round(engine.env.now, 6)] = (list(engine.sched.lookup_log),
+                                          [(r.req_id, n) for r, n, _ in plan.scheduled])
+        engine.sched.lookup_log.clear()
+
+    engine.on_schedule = on_schedule
+    res = engine.run()
+    lookups, batch = seen[1.57858]
+    assert ("s9t1", 448, 0, False) in lookups and ("s9t0", 25) in batch
+    assert "s9t1" not in [rid for rid, _ in batch]
+    assert res.status == "ok" and res.summary.requests_finished == 18
+
+
 # -- parallel regress ----------------------------------------------------------------------------
 
 

@@ -379,3 +379,31 @@ def test_a_chunked_local_layout_vllm_asserts_on_crashes_alike(vllm_python: tuple
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     assert summary["end"] == "stopped_on_crash" and summary["crashes"]["kinds"] == {"assertion": 1}
+
+
+def test_a_mamba_hit_on_a_block_cached_this_step_agrees(vllm_python: tuple[str, Path],
+                                                        tmp_path: Path) -> None:
+    """Run 22 of the run fuzzer's seed 7 (full attention, a sliding window, a Mamba group,
+    prefix caching): a request whose local hit ends on a Mamba state block cached in the
+    same step waits (vLLM's ``cached_blocks_this_step``); 0 divergences with 0.29 and 0.30.
+    Under 0.33 (Mamba ``"align"`` mode only, not modelled) the first step differs, as
+    docs/vllm.md finding 13 says."""
+    import tomli_w
+
+    from sim.tools import fuzz
+
+    version, python = vllm_python
+    data = {**fuzz.run_config(fuzz._rng_for(7, 22)), "window_logic": VLLM_LOGIC_OF[version]}
+    scenario = tmp_path / "fuzz-s7-i22.toml"
+    scenario.write_text(tomli_w.dumps(data))
+    if VLLM_LOGIC_OF[version] == "latest":
+        out = tmp_path / "diff"
+        r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
+                   cwd=tmp_path)
+        assert "Traceback" not in r.stderr
+        first = json.loads((out / "divergence.json").read_text())["first"]
+        assert first["step"] == 0, first
+        return
+    _, summary, _ = _lockstep(python, scenario, tmp_path)
+    assert summary["differential"]["divergences"] == 0 and summary["differential"]["decisions"] > 1000
+
