@@ -946,7 +946,8 @@ def summary_warnings(summary: dict[str, Any]) -> list[str]:
         share = req.get("rejected_share")
         share_text = f" ({share:.1%})" if isinstance(share, float) else ""
         out.append(f"{req['rejected']} of {req.get('arrived')} requests{share_text} were rejected "
-                   f"(longer than max_model_len, the longest request the GPU pool holds); "
+                   f"(longer than max_model_len, the longest request the GPU pool holds, or never "
+                   f"fitting in it: see the events table); "
                    f"TTFT/TPOT percentiles are of served requests, "
                    f"see also 'rejected = never'")
     return out

@@ -254,7 +254,8 @@ class RealVllmScheduler:
         self.running: list[LiveRequest] = []
         self.now = 0.0
         self.context = AttendedContext(layout)
-        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens,
+                                           prefix_caching=cfg.prefix_caching)
         try:   # vLLM validates the configuration here: a refusal is bad input, said in one line
             kv_config = self._kv_cache_config()
             vcfg = self._vllm_config()

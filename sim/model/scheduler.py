@@ -636,11 +636,12 @@ def lookup_assertion(layout: Layout) -> str | None:
 MAX_POSITIONS = 1 << 24
 
 
-def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
+def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int, *, prefix_caching: bool) -> int:
     """The longest request (prompt and output tokens) one block pool holds: every group's
-    worst case (its admission cap, :func:`admission_caps`), as vLLM checks ``max_model_len``
-    against its KV cache at start-up, and at most :data:`MAX_POSITIONS`. Longer requests are
-    rejected on arrival."""
+    worst case (its admission cap, :func:`admission_caps`; a Mamba group a state block per
+    block with prefix caching, vLLM's ``mamba_cache_mode = "all"``, else one), as vLLM
+    checks ``max_model_len`` against its KV cache at start-up, and at most
+    :data:`MAX_POSITIONS`. Longer requests are rejected on arrival."""
     usable = gpu_blocks - 1  # the null block
     caps = admission_caps(layout, max_batched)
     groups = layout.groups
@@ -649,7 +650,10 @@ def max_model_len(layout: Layout, gpu_blocks: int, max_batched: int) -> int:
         total = 0
         for g, cap in zip(groups, caps, strict=True):
             blocks = cdiv(n, g.tokens_per_block)
-            total += 2 if g.kind is GroupKind.MAMBA else blocks if cap is None else min(blocks, cap)
+            if g.kind is GroupKind.MAMBA:
+                total += blocks if prefix_caching else 1
+            else:
+                total += blocks if cap is None else min(blocks, cap)
         return total
 
     lo, hi = 0, MAX_POSITIONS
@@ -743,7 +747,8 @@ class Scheduler:
         #: per group, the most blocks one request is required to hold (vLLM's admission cap)
         self._reserve_caps = admission_caps(layout, cfg.max_num_batched_tokens)
         #: the longest request (prompt and output tokens) admitted: longer ones are rejected on arrival
-        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+        self.max_model_len = max_model_len(layout, cfg.gpu_blocks, cfg.max_num_batched_tokens,
+                                           prefix_caching=cfg.prefix_caching)
         #: vLLM asserts at every local prefix-cache lookup of this layout (None: it does not)
         self._lookup_assert = lookup_assertion(layout) if cfg.prefix_caching else None
         #: a Mamba group (-1: none, or no prefix caching) and the hashes of the state blocks

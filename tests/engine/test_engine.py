@@ -379,7 +379,8 @@ path = "{data}"
     s = res.summary
     assert s.requests_arrived == 5 and s.requests_finished + s.requests_rejected == 5
     cfg = spec.engine_config()
-    limit = max_model_len(cfg.layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+    limit = max_model_len(cfg.layout, cfg.gpu_blocks, cfg.max_num_batched_tokens,
+                          prefix_caching=cfg.prefix_caching)
     assert 2000 < limit < 4000
     long = sum(r.prompt_tokens + r.output_tokens > limit for r in spec.requests())
     assert s.requests_rejected == long == 4 and s.requests_finished == 1

@@ -307,12 +307,17 @@ def test_max_model_len_is_each_groups_worst_case() -> None:
                        tokens_per_hash=8, blocks_per_chunk=1)
     assert admission_caps(layout, 64) == (None, 17)
     for blocks in (100, 1000):
-        n = max_model_len(layout, blocks, 64)
+        n = max_model_len(layout, blocks, 64, prefix_caching=True)
         assert n == 16 * (blocks - 1 - 17), blocks   # the full group's blocks, once the window is capped
     # without full attention any length fits: the bound is the position limit kvsim gives vLLM
     windows = Layout.of([GroupSpec(GroupKind.SLIDING_WINDOW, 8, window=64)], tokens_per_hash=8,
                         blocks_per_chunk=1)
-    assert max_model_len(windows, 100, 64) == MAX_POSITIONS == 1 << 24
+    assert max_model_len(windows, 100, 64, prefix_caching=True) == MAX_POSITIONS == 1 << 24
+    # a Mamba group holds a state block per block with prefix caching ("all"), else one
+    hybrid = Layout.of([GroupSpec(GroupKind.FULL, 16), GroupSpec(GroupKind.MAMBA, 16)], tokens_per_hash=8,
+                       blocks_per_chunk=1)
+    assert max_model_len(hybrid, 46, 64, prefix_caching=True) == 16 * 22
+    assert max_model_len(hybrid, 46, 64, prefix_caching=False) == 16 * 44
 
 
 def test_a_request_that_never_fits_is_rejected_and_the_next_one_admitted() -> None:

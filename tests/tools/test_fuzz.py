@@ -323,7 +323,8 @@ def test_requests_longer_than_max_model_len_are_rejected_on_arrival(logic: str):
     data = {**fuzz.run_config(fuzz._rng_for(6, 594)), "window_logic": logic}
     spec = build_run(data, Path("fuzz-s6-i594.toml"))
     cfg = spec.engine_config()
-    limit = max_model_len(cfg.layout, cfg.gpu_blocks, cfg.max_num_batched_tokens)
+    limit = max_model_len(cfg.layout, cfg.gpu_blocks, cfg.max_num_batched_tokens,
+                          prefix_caching=cfg.prefix_caching)
     assert limit == 496
     sink = MemorySink()
     res = Engine(cfg, spec.requests(), Recorder(sink), None).run()
