@@ -87,6 +87,7 @@ from sim.model.scheduler import (
     SchedulerHooks,
     SchedulerStats,
     max_model_len,
+    reject_too_long,
 )
 
 __all__ = ["SUPPORTED_VERSIONS", "RealStep", "RealVllmScheduler", "VllmMissingError", "installed_version"]
@@ -485,15 +486,8 @@ class RealVllmScheduler:
         r = LiveRequest(req, self.layout.tokens_per_hash)
         self.stats.requests_arrived += 1
         self.stats.prompt_tokens += req.prompt_tokens
-        total = req.prompt_tokens + req.output_tokens
-        if total > self.max_model_len:  # the caller writes its row at once
-            r.status = RequestStatus.REJECTED
-            r.finish_s = now = self.now if now is None else now
-            self.hooks.event(ModelEvent(
-                now, "rejected", "too_long", r.req_id, -1, -1,
-                f"{req.prompt_tokens} prompt and {req.output_tokens} output tokens: {total} exceed "
-                f"max_model_len {self.max_model_len} (the longest request the GPU block pool holds)"))
-            return r
+        if reject_too_long(r, self.max_model_len, self.now if now is None else now, self.hooks):
+            return r   # the caller writes its row at once
         ph = self._per_hash
         hashes = req.block_hashes
         keyed = [int(hashes[(i + 1) * ph - 1]).to_bytes(8, "little", signed=True)

@@ -152,6 +152,7 @@ __all__ = [
     "TransferJob",
     "lookup_assertion",
     "max_model_len",
+    "reject_too_long",
 ]
 
 #: new GPU block ids per group, or None when the step allocated nothing
@@ -631,6 +632,22 @@ def lookup_assertion(layout: Layout) -> str | None:
     return None
 
 
+def reject_too_long(r: LiveRequest, limit: int, now: float, hooks: SchedulerHooks) -> bool:
+    """vLLM's refusal on arrival: when ``r``'s prompt and output tokens exceed ``limit``
+    (:func:`max_model_len`), mark it rejected at ``now`` with a ``too_long`` event and
+    return True (kvsim's model and its driver of vLLM both call this)."""
+    req = r.req
+    total = req.prompt_tokens + req.output_tokens
+    if total <= limit:
+        return False
+    r.status = _REJECTED
+    r.finish_s = now
+    hooks.event(ModelEvent(now, "rejected", "too_long", r.req_id, -1, -1,
+                           f"{req.prompt_tokens} prompt and {req.output_tokens} output tokens: {total} "
+                           f"exceed max_model_len {limit} (the longest request the GPU block pool holds)"))
+    return True
+
+
 #: the longest request any layout admits (2**24 tokens: a layout without full attention
 #: holds requests of any length; the model config kvsim gives vLLM allows as many positions)
 MAX_POSITIONS = 1 << 24
@@ -776,14 +793,7 @@ class Scheduler:
         r = LiveRequest(req, self.tph)
         self.stats.requests_arrived += 1
         self.stats.prompt_tokens += r.num_prompt_tokens
-        total = req.prompt_tokens + req.output_tokens
-        if total > self.max_model_len:
-            r.status = _REJECTED
-            r.finish_s = now = self.now if now is None else now
-            self.hooks.event(ModelEvent(
-                now, "rejected", "too_long", r.req_id, -1, -1,
-                f"{r.num_prompt_tokens} prompt and {req.output_tokens} output tokens: {total} exceed "
-                f"max_model_len {self.max_model_len} (the longest request the GPU block pool holds)"))
+        if reject_too_long(r, self.max_model_len, self.now if now is None else now, self.hooks):
             self._consume_use(r)
             return r
         self.requests[r.req_id] = r
