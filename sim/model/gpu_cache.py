@@ -29,8 +29,12 @@ Simplifications
       vLLM's watermark or the cost of evicting cached blocks.
     * A prefix hit is found per group with the kind's rule and the groups
       are brought to a common boundary by a fixed point (vLLM's hybrid
-      coordinator does the same with attention-type specific steps); EAGLE's
-      dropped last block and partial-block hits are not modelled.
+      coordinator does the same with attention-type specific steps). A layout
+      with an EAGLE group is searched as vLLM does (:func:`eagle_hit`: the
+      dropped last block, groups of one spec looked up as one). Partial-block
+      hits, and the partial hash vLLM gives a block the prompt ends in when
+      its block is larger than vLLM's hash block (docs/vllm.md finding 23),
+      are not modelled.
 
 Invariants
     * a block is in the free queue exactly when its ref count is 0;
@@ -41,13 +45,14 @@ Invariants
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sim.model.layout import GroupKind, Layout, cdiv
 
-__all__ = ["NULL_BLOCK_ID", "Block", "BlockPool", "GpuInvariantError", "GpuKVCache"]
+__all__ = ["NULL_BLOCK_ID", "Block", "BlockPool", "GpuInvariantError", "GpuKVCache", "eagle_hit"]
 
 NULL_BLOCK_ID = 0
 
@@ -203,6 +208,111 @@ class BlockPool:
                 raise GpuInvariantError(f"prefix cache maps {h} to {b}")
 
 
+def eagle_hit(layout: Layout, cached: Callable[[int, int], bool], group_hit: Callable[[int, int], int],
+              max_tokens: int, margin_cap: int) -> int:
+    """The local hit of a layout with an EAGLE group, as vLLM's coordinators find it.
+
+    vLLM drops the last block an EAGLE group matches (its KV at the chunk's last
+    token was written with the next, speculative, token); a hybrid lookup lets such a
+    group match one block past the candidate length first (capped at ``margin_cap``:
+    ``max_tokens`` in 0.29 and 0.30, the request's hashed tokens in 0.33, see
+    :attr:`~sim.model.windows.WindowProfile.eagle_margin_past_limit`), so that the drop
+    lands back on it. The groups are looked up by vLLM's spec classes
+    (:attr:`~sim.model.layout.Layout.hit_groups`): full attention first, each class once
+    per candidate length, until no class shortens it (one pass when the layout is one
+    full-attention class and one other). Each class's finder is vLLM's: full attention
+    its leading cached run, a sliding window the rightmost run of ``cdiv(W - 1, bs)``
+    cached blocks (one more with the drop) ending on the alignment (the layout's least
+    common block size), the drop taking the last block and rounding to the alignment
+    again; chunked-local and Mamba groups keep kvsim's finders (``group_hit``: vLLM
+    asserts on an EAGLE chunked-local group, :func:`sim.model.scheduler.lookup_assertion`,
+    and its Mamba finder does not drop).
+
+    Args:
+        cached: ``cached(g, i)``: block ``i`` of group ``g`` is in the prefix cache.
+        group_hit: kvsim's finder of one group, ``group_hit(g, max_tokens)``.
+    """
+    groups = layout.groups
+    if len(groups) == 1:   # vLLM's unitary coordinator: one lookup, aligned to the block size
+        return _class_hit(layout, cached, group_hit, (0,), max_tokens, groups[0].eagle,
+                          groups[0].tokens_per_block)
+    align = math.lcm(*(g.tokens_per_block for g in groups))
+    classes = layout.hit_groups
+    simple = len(classes) == 2 and groups[classes[0][0][0]].kind is GroupKind.FULL
+    hit = max_tokens
+    full: dict[int, int] = {}
+    verified: set[int] = set()
+    while True:
+        curr = hit
+        for idx, (members, eagle) in enumerate(classes):
+            spec = groups[members[0]]
+            if idx in full:     # full attention is looked up once, then only trimmed
+                curr = min(curr, full[idx])
+                continue
+            drop = eagle and idx not in verified
+            limit = curr
+            if drop and spec.kind is not GroupKind.MAMBA:
+                limit = min(curr + spec.tokens_per_block, margin_cap)
+            new = _class_hit(layout, cached, group_hit, members, limit, drop, align)
+            if spec.kind is GroupKind.FULL:
+                full[idx] = new
+            if drop:
+                verified.add(idx)
+            elif new < curr:
+                verified.clear()
+            curr = new
+        if curr >= hit:
+            return hit
+        hit = curr
+        if simple:
+            return hit
+
+
+def _class_hit(layout: Layout, cached: Callable[[int, int], bool], group_hit: Callable[[int, int], int],
+               members: tuple[int, ...], max_tokens: int, drop: bool, align: int) -> int:
+    """One spec class's hit at most ``max_tokens`` (see :func:`eagle_hit`)."""
+    spec = layout.groups[members[0]]
+    bs = spec.tokens_per_block
+    n = max_tokens // bs
+
+    def all_cached(i: int) -> bool:
+        return all(cached(g, i) for g in members)
+
+    if spec.kind is GroupKind.FULL:
+        run = 0
+        while run < n and all_cached(run):
+            run += 1
+        hit = run * bs
+        if drop and hit:
+            hit -= min(align, bs)
+        return hit - hit % align
+    if spec.kind is not GroupKind.SLIDING_WINDOW:
+        return min(group_hit(g, max_tokens) for g in members)
+    assert spec.window is not None
+    need = cdiv(spec.window - 1, bs) + int(drop)
+    kept = -1      # blocks [0, kept) of the match, -1 while none
+    run = 0
+    for i in range(n - 1, -1, -1):
+        if not all_cached(i):
+            run = 0
+            continue
+        if run == 0 and bs != align and ((i if drop else i + 1) * bs) % align:
+            continue      # a run must end on the alignment (after the drop)
+        run += 1
+        if run >= need:
+            kept = i + run
+            break
+    if kept < 0:          # no match: a run from block 0 counts, cut to the alignment
+        kept = run
+        while bs != align and kept * bs % align:
+            kept -= 1
+    if drop and kept > 0:
+        kept -= 1
+        while bs != align and kept * bs % align:
+            kept -= 1
+    return kept * bs
+
+
 @dataclass(frozen=True, slots=True)
 class Allocation:
     """Per-group block lists of one request after an allocation."""
@@ -232,6 +342,8 @@ class GpuKVCache:
         self._skipped: dict[str, list[int]] = {}
         self._bs = tuple(g.tokens_per_block for g in layout.groups)
         self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
+        #: a group is looked up as EAGLE: vLLM's own search (:func:`eagle_hit`)
+        self._eagle = any(layout.eagle_hit)
 
     # -- retention ------------------------------------------------------------------
 
@@ -254,8 +366,11 @@ class GpuKVCache:
 
     # -- prefix cache hits -------------------------------------------------------------
 
-    def find_hit(self, block_hashes: Sequence[int], max_tokens: int) -> tuple[int, tuple[list[Block], ...]]:
-        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``.
+    def find_hit(self, block_hashes: Sequence[int], max_tokens: int,
+                 margin_cap: int | None = None) -> tuple[int, tuple[list[Block], ...]]:
+        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``
+        (``margin_cap``: how far an EAGLE group may look past it, :func:`eagle_hit`;
+        default ``max_tokens``).
 
         Returns:
             ``(L, blocks)`` with per-group hit lists of ``L // bs_g`` entries
@@ -264,6 +379,11 @@ class GpuKVCache:
         layout = self.layout
         if not self.pool.enable_caching:
             return 0, tuple([] for _ in layout.groups)
+        if self._eagle:   # vLLM's own search, with the EAGLE drop (see eagle_hit)
+            hit = eagle_hit(layout, lambda g, i: self._is_cached(g, block_hashes, i),
+                            lambda g, m: self._group_hit(g, block_hashes, m), max_tokens,
+                            max_tokens if margin_cap is None else margin_cap)
+            return hit, self.hit_blocks(block_hashes, hit)
         hit = max_tokens
         changed = True
         while changed and hit > 0:
@@ -339,6 +459,11 @@ class GpuKVCache:
                 return (i + 1) * bs
             i = j - 2
         return empty * bs
+
+    def hit_blocks(self, block_hashes: Sequence[int], hit: int) -> tuple[list[Block], ...]:
+        """The per-group blocks of a local hit of exactly ``hit`` tokens, taken as given
+        (not searched for: no EAGLE drop), as :meth:`find_hit` returns them."""
+        return tuple(self._hit_blocks(g, block_hashes, hit) for g in range(len(self.layout.groups)))
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[Block]:
         n = hit // self._bs[g]

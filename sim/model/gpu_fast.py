@@ -103,7 +103,7 @@ from operator import not_
 from types import ModuleType
 from typing import overload
 
-from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError
+from sim.model.gpu_cache import NULL_BLOCK_ID, GpuInvariantError, eagle_hit
 from sim.model.layout import GroupKind, Layout, cdiv
 
 __all__ = ["COMPILED_LOOPS", "BlockView", "FastAllocation", "FastBlockPool", "GpuFastCache", "pool_loops"]
@@ -652,6 +652,8 @@ class GpuFastCache:
         self._bs = tuple(g.tokens_per_block for g in layout.groups)
         self._tph = layout.tokens_per_hash
         self._hpb = tuple(bs // layout.tokens_per_hash for bs in self._bs)
+        #: a group is looked up as EAGLE: vLLM's own search (:func:`eagle_hit`)
+        self._eagle = any(layout.eagle_hit)
         #: per window-type group: (group, rule, parameter, block size) of its first retained block
         self._skip_rules = tuple(self._skip_rule(g) for g in range(ngroups)
                                  if layout.groups[g].kind is not GroupKind.FULL)
@@ -660,7 +662,7 @@ class GpuFastCache:
         #: (1: none)) of its commit bound: see :meth:`quiet_thresholds`
         align = layout.gpu_cache_align
         self._commit_rules = tuple(
-            (self._bs[g], align is not None and layout.groups[g].eagle, align or 1)
+            (self._bs[g], align is not None and layout.eagle_hit[g], align or 1)
             for g in range(ngroups))
 
     def _skip_rule(self, g: int) -> tuple[int, int, int, int]:
@@ -742,8 +744,11 @@ class GpuFastCache:
 
     # -- prefix cache hits --------------------------------------------------------------------
 
-    def find_hit(self, block_hashes: Sequence[int], max_tokens: int) -> tuple[int, tuple[list[int], ...]]:
-        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``.
+    def find_hit(self, block_hashes: Sequence[int], max_tokens: int,
+                 margin_cap: int | None = None) -> tuple[int, tuple[list[int], ...]]:
+        """Longest local prefix-cache hit usable by every group, at most ``max_tokens``
+        (``margin_cap``: how far an EAGLE group may look past it, :func:`eagle_hit`;
+        default ``max_tokens``).
 
         Returns:
             ``(L, ids)`` with per-group hit id lists of ``L // bs_g`` entries
@@ -752,6 +757,11 @@ class GpuFastCache:
         layout = self.layout
         if not self.pool.enable_caching:
             return 0, tuple([] for _ in layout.groups)
+        if self._eagle:   # vLLM's own search, with the EAGLE drop (see eagle_hit)
+            hit = eagle_hit(layout, lambda g, i: self._is_cached(g, block_hashes, i),
+                            lambda g, m: self._group_hit(g, block_hashes, m), max_tokens,
+                            max_tokens if margin_cap is None else margin_cap)
+            return hit, self.hit_blocks(block_hashes, hit)
         hit = max_tokens
         changed = True
         while changed and hit > 0:
@@ -826,6 +836,11 @@ class GpuFastCache:
                 return (i + 1) * bs
             i = j - 2
         return empty * bs
+
+    def hit_blocks(self, block_hashes: Sequence[int], hit: int) -> tuple[list[int], ...]:
+        """The per-group blocks of a local hit of exactly ``hit`` tokens, taken as given
+        (not searched for: no EAGLE drop), as :meth:`find_hit` returns them."""
+        return tuple(self._hit_blocks(g, block_hashes, hit) for g in range(len(self.layout.groups)))
 
     def _hit_blocks(self, g: int, block_hashes: Sequence[int], hit: int) -> list[int]:
         n = hit // self._bs[g]

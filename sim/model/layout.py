@@ -279,6 +279,47 @@ class Layout:
         return fa.pop() if len(fa) == 1 else None
 
     @cached_property
+    def spec_classes(self) -> tuple[int, ...]:
+        """Per group, the index of its class of groups vLLM deems the same KV cache spec
+        (numbered by first appearance): same kind, block size, window, attention chunk and
+        ``extra_retained_tokens``, and the same per-layer shape (KV heads, head size, dtype,
+        MLA; or the same ``bytes_per_block`` when no shape is given). vLLM's hybrid
+        coordinator looks such groups up as one, and marks them all EAGLE when one is."""
+        keys: dict[tuple[object, ...], int] = {}
+        out = []
+        for g in self.groups:
+            s = g.shape
+            per_layer = ((s.kv_heads, s.head_size, s.dtype_bytes, s.mla) if s is not None
+                         else g.bytes_per_block)
+            key = (g.kind, g.tokens_per_block, g.window, g.attention_chunk, g.extra_retained_tokens,
+                   per_layer)
+            out.append(keys.setdefault(key, len(keys)))
+        return tuple(out)
+
+    @cached_property
+    def hit_groups(self) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """The groups of vLLM's prefix-cache lookup (its coordinator's "attention groups"):
+        the members of each spec class (:attr:`spec_classes`) and whether the class drops
+        the EAGLE block (one member is an EAGLE group), full-attention classes first, else
+        in group order (0.29 to 0.33)."""
+        classes: dict[int, list[int]] = {}
+        for g, c in enumerate(self.spec_classes):
+            classes.setdefault(c, []).append(g)
+        out = [(tuple(m), any(self.groups[g].eagle for g in m)) for m in classes.values()]
+        out.sort(key=lambda x: self.groups[x[0][0]].kind is not GroupKind.FULL)
+        return tuple(out)
+
+    @cached_property
+    def eagle_hit(self) -> tuple[bool, ...]:
+        """Per group: vLLM caches and looks it up as an EAGLE group (the last matched block
+        dropped, one block more hashed): an EAGLE group, or one of the same spec class."""
+        out = [False] * len(self.groups)
+        for members, eagle in self.hit_groups:
+            for g in members:
+                out[g] = eagle
+        return tuple(out)
+
+    @cached_property
     def gpu_cache_align(self) -> int | None:
         """The token multiple a request's blocks are hashed up to in vLLM's prefix cache:
         with more than one group, vLLM's hybrid coordinator caches only up to the computed
@@ -296,9 +337,8 @@ class Layout:
         if align is None:
             return num_tokens
         aligned = num_tokens - num_tokens % align
-        group = self.groups[g]
-        if group.eagle and aligned > 0:
-            return min(num_tokens, aligned + group.tokens_per_block)
+        if self.eagle_hit[g] and aligned > 0:
+            return min(num_tokens, aligned + self.groups[g].tokens_per_block)
         return aligned
 
     @cached_property
@@ -310,14 +350,15 @@ class Layout:
         scheduler block size (the groups' least common multiple). The same in 0.29 to 0.33."""
         align = math.lcm(*(g.tokens_per_block for g in self.groups))
         out: list[tuple[int, int, int] | None] = []
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             bs = g.tokens_per_block
             if g.kind is not GroupKind.SLIDING_WINDOW or g.window is None or align % bs:
                 out.append(None)
                 continue
-            need = cdiv(g.window - 1, bs) + int(g.eagle)
+            eagle = int(self.eagle_hit[i])
+            need = cdiv(g.window - 1, bs) + eagle
             per_segment = align // bs
-            out.append(None if need >= per_segment else (per_segment, need, int(g.eagle)))
+            out.append(None if need >= per_segment else (per_segment, need, eagle))
         return tuple(out)
 
     def hit_first_block(self, group: int, num_tokens: int) -> int:

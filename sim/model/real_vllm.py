@@ -270,6 +270,7 @@ class RealVllmScheduler:
             raise InputError(THE_SCENARIO, "decisions",
                              f"vLLM {self.version} refuses this configuration: {why[:300]}",
                              'a configuration vLLM accepts, or decisions = "model"') from None
+        self._drop_eagle_blocks()
         if hash_size % layout.tokens_per_hash:
             raise InputError(THE_SCENARIO, "scheduler.tokens_per_hash",
                              f"vLLM {self.version} hashes {hash_size}-token blocks for this layout; "
@@ -305,12 +306,20 @@ class RealVllmScheduler:
 
     def _kv_cache_config(self) -> Any:
         """vLLM's KV cache config: one group per layout group, one block pool (toy tensor shapes:
-        the scheduler reads block sizes and kinds; kvsim's layout gives the bytes)."""
+        the scheduler reads block sizes and kinds, and compares specs to merge groups for its
+        lookup; kvsim's layout gives the bytes)."""
         v, cfg = self._v, self.cfg
         f16 = v["torch"].float16
         specs = []
-        for g in self.layout.groups:
-            common = {"block_size": g.tokens_per_block, "num_kv_heads": 1, "head_size": 8, "dtype": f16}
+        # groups of one spec class get equal specs; two classes alike but for their shapes
+        # get different head sizes: vLLM looks up as one the groups kvsim's model does
+        # (Layout.hit_groups)
+        nth: dict[tuple[object, ...], dict[int, int]] = {}
+        for g, cls in zip(self.layout.groups, self.layout.spec_classes, strict=True):
+            alike = nth.setdefault((g.kind, g.tokens_per_block, g.window, g.attention_chunk,
+                                    g.extra_retained_tokens), {})
+            k = alike.setdefault(cls, len(alike)) + 1
+            common = {"block_size": g.tokens_per_block, "num_kv_heads": 1, "head_size": 8 * k, "dtype": f16}
             if g.kind is GroupKind.SLIDING_WINDOW:
                 kw: dict[str, Any] = {"sliding_window": g.window}
                 if g.extra_retained_tokens:
@@ -319,13 +328,29 @@ class RealVllmScheduler:
             elif g.kind is GroupKind.CHUNKED_LOCAL:
                 specs.append(v["ChunkedLocalAttentionSpec"](**common, attention_chunk_size=g.attention_chunk))
             elif g.kind is GroupKind.MAMBA:
-                specs.append(v["MambaSpec"](block_size=g.tokens_per_block, shapes=((1,),), dtypes=(f16,),
+                specs.append(v["MambaSpec"](block_size=g.tokens_per_block, shapes=((k,),), dtypes=(f16,),
                                             mamba_cache_mode=self._mamba_mode()))
             else:
                 specs.append(v["FullAttentionSpec"](**common))
         groups = [v["KVCacheGroupSpec"]([f"layer.{i}"], s, **({"is_eagle_group": True} if g.eagle else {}))
                   for i, (g, s) in enumerate(zip(self.layout.groups, specs, strict=True))]
         return v["KVCacheConfig"](num_blocks=cfg.gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def _drop_eagle_blocks(self) -> None:
+        """vLLM 0.33 drops the last block an EAGLE group's lookup matches (and hashes one
+        block more) only with a speculative config (``use_eagle_block_drop``); 0.29 and 0.30
+        do so for every group marked ``is_eagle_group``. kvsim models no speculative
+        decoding, so it turns on 0.33's coordinator drop for the marked groups as such a
+        config would, and leaves the rest of speculative decoding off, as with 0.29 and 0.30."""
+        coord = self.sched.kv_cache_manager.coordinator
+        marked: set[int] = getattr(coord, "eagle_group_ids", set())
+        if not marked or getattr(coord, "drop_eagle_group_ids", None) != set():
+            return
+        coord.drop_eagle_group_ids = set(marked)
+        if hasattr(coord, "attention_groups"):    # the hybrid coordinator: its lookup groups anew
+            coord.verify_and_split_kv_cache_groups()
+        else:
+            coord.single_type_managers[0].use_eagle = 0 in marked
 
     def _mamba_mode(self) -> str:
         """vLLM's Mamba cache mode for the run: "all" (a state block per block, what kvsim's

@@ -620,7 +620,13 @@ def lookup_assertion(layout: Layout) -> str | None:
     layout (None: none): with more than one group and no Mamba group, their hybrid
     coordinator aligns a hit to the groups' least common block size and asks every group
     for its hit, and the chunked-local finder asserts that its block size is that
-    alignment. Only with prefix caching (without it nothing is looked up)."""
+    alignment. And the chunked-local finder refuses to drop an EAGLE block, so a
+    chunked-local group looked up as EAGLE (:attr:`~sim.model.layout.Layout.eagle_hit`)
+    asserts in any layout. Only with prefix caching (without it nothing is looked up)."""
+    for g, spec in enumerate(layout.groups):
+        if spec.kind is GroupKind.CHUNKED_LOCAL and layout.eagle_hit[g]:
+            return (f"group {g}: chunked local attention looked up as an EAGLE group (vLLM's hybrid "
+                    "KV cache does not support EAGLE with chunked local attention)")
     align = layout.gpu_cache_align
     if align is None:
         return None
@@ -742,6 +748,8 @@ class Scheduler:
         #: under vLLM 0.33 only those that hold KV blocks (the others go back to ``waiting``)
         self.skipped: deque[LiveRequest] = deque()
         self._requeue_without_kv = profile(cfg.window_logic).requeues_skipped_without_kv
+        #: an EAGLE group's lookup may look past the hit limit, up to the hashed tokens (0.33)
+        self._eagle_past_limit = profile(cfg.window_logic).eagle_margin_past_limit
         #: finished in the last update: their final stores come with the next step
         self.finished_pending: list[LiveRequest] = []
         #: jobs of the plans handed out and not yet reported complete
@@ -1028,7 +1036,9 @@ class Scheduler:
         msg = self._lookup_assert
         hit: tuple[int, Any]
         if msg is None:
-            hit = self.gpu.find_hit(r.block_hashes, r.num_tokens - 1)
+            limit = r.num_tokens - 1
+            hit = self.gpu.find_hit(r.block_hashes, limit,
+                                    len(r.block_hashes) * self.tph if self._eagle_past_limit else limit)
             return hit
         if r.crash is None:
             self._record_crash(r, ModelledCrashError(ModelledCrash(

@@ -117,6 +117,10 @@ class WindowProfile:
     #: a skipped request that holds no KV blocks goes back to the front of the
     #: waiting queue, not to the queue of skipped requests drained first (0.33)
     requeues_skipped_without_kv: ClassVar[bool] = False
+    #: a hybrid local lookup lets an EAGLE group match one block past the candidate
+    #: length up to the request's hashed tokens, not only up to the hit limit (the
+    #: prompt less one token) (0.33; :func:`sim.model.gpu_cache.eagle_hit`)
+    eagle_margin_past_limit: ClassVar[bool] = False
 
     # -- group configuration ----------------------------------------------------------
 
@@ -442,6 +446,7 @@ class _Latest(_New):
     restarts_store_index_on_lookup = True
     request_scoped_recency = True
     requeues_skipped_without_kv = True
+    eagle_margin_past_limit = True
 
     def window_chunks(self, layout: Layout) -> tuple[int | None, ...]:
         return tuple(latest_window_chunks(g, t) for g, t in zip(layout.groups, layout.tokens_per_chunk,

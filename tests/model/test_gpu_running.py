@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from sim.model.gpu_cache import NULL_BLOCK_ID, GpuKVCache
 from sim.model.gpu_fast import GpuFastCache
-from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.layout import GroupKind, GroupSpec, KVShape, Layout
 from tests.helpers import fa, quiet_thresholds_from_scratch, swa
 
 
@@ -145,9 +145,14 @@ def test_hybrid_layouts_hash_up_to_the_scheduler_block_size() -> None:
     request's blocks past the boundary, so they went to the tail of the free queue when it
     finished where vLLM's (unhashed) went to the head, and later block ids, and a flush,
     differed."""
-    layout = Layout.of([fa(32), fa(8, eagle=True), fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    other = GroupSpec(GroupKind.FULL, 8, shape=KVShape(layers=1, kv_heads=2, head_size=64))
+    layout = Layout.of([fa(32), fa(8, eagle=True), other], tokens_per_hash=8, blocks_per_chunk=1)
     assert layout.gpu_cache_align == 32
     assert [layout.cacheable_tokens(g, 60) for g in range(3)] == [32, 40, 32]
+    # a group of the EAGLE group's spec is looked up with it, and cached as EAGLE too
+    same = Layout.of([fa(32), fa(8, eagle=True), fa(8)], tokens_per_hash=8, blocks_per_chunk=1)
+    assert same.hit_groups == (((0,), False), ((1, 2), True))
+    assert [same.cacheable_tokens(g, 60) for g in range(3)] == [32, 40, 40]
     assert [layout.cacheable_tokens(g, 20) for g in range(3)] == [0, 0, 0]
     hashes = _hashes(16)
     for cls in (GpuKVCache, GpuFastCache):
