@@ -64,8 +64,8 @@ from sim.model.cpu_cache import (
     OffloadKey,
 )
 from sim.model.gpu_cache import NULL_BLOCK_ID, Block
-from sim.model.layout import GroupSpec, Layout, cdiv
-from sim.model.windows import WindowProfile
+from sim.model.layout import GroupKind, GroupSpec, Layout, cdiv
+from sim.model.windows import WindowProfile, store_alignment
 
 __all__ = [
     "CrashKind",
@@ -900,10 +900,54 @@ class OffloadingScheduler:
         for g in range(len(self._groups)):
             n = self._storable(st, g, tokens)
             start = st.next_stored[g]
+            prompt_chunks = prompt_tokens // self._tpc[g]
+            tail = self._final_tail(st, g, n, prompt_chunks)
+            if tail is not None and tail < start:
+                ranges.append((tail, n))
+                offered.extend(self._reconsidered_keys(st, g, tail, start, n, prompt_chunks))
+                continue
             ranges.append((start, n))
             if n > start:
-                offered.extend(self._reachable_keys(st, g, start, n, prompt_tokens // self._tpc[g]))
+                offered.extend(self._reachable_keys(st, g, start, n, prompt_chunks))
         return offered, ranges
+
+    def _final_tail(self, st: _ReqState, g: int, n: int, prompt_chunks: int) -> int | None:
+        """The first chunk of the final partial segment that a finished request's
+        sliding-window group (not EAGLE) looks at again when its last store is built
+        (:attr:`~sim.model.windows.WindowProfile.reconsiders_final_window_tail`, vLLM 0.30
+        and 0.33), or None: with ``n`` storable chunks other than the prompt's, the
+        segment of the store alignment's grid (:func:`~sim.model.windows.store_alignment`)
+        that ends at ``n`` chunks; its chunks the prompt's horizon deemed unreachable may
+        be reachable at the final horizon."""
+        if not (st.finished and self.profile.reconsiders_final_window_tail) or self.eagle[g] \
+                or n == prompt_chunks or self._groups[g].kind is not GroupKind.SLIDING_WINDOW:
+            return None
+        align = store_alignment(self.layout)
+        bs = self._groups[g].tokens_per_block
+        if align is None or align % bs:
+            return None
+        bpc = self.layout.blocks_per_chunk
+        blocks = n * bpc
+        return (blocks - blocks % (align // bs)) // bpc
+
+    def _reconsidered_keys(self, st: _ReqState, g: int, tail: int, start: int, n: int,
+                           prompt_chunks: int) -> list[OffloadKey]:
+        """Keys of group ``g``'s chunks ``[tail, n)`` a finished request stores (see
+        :meth:`_final_tail`): those from ``start`` (``next_stored``) on as
+        :meth:`_reachable_keys` finds them, and before it those that the prompt's horizon
+        deemed unreachable and the final horizon (``n``) deems reachable; a chunk whose
+        last block is null is never stored."""
+        keys, last_ids, mask = self._reach(st, g, tail, n, prompt_chunks)
+        before = self.profile.reachable_chunks(self.layout, g, self.eagle[g], tail, n, n, prompt_chunks,
+                                               st.block_ids[g])
+        out = []
+        for k, (key, bid) in enumerate(zip(keys, last_ids, strict=True)):
+            if bid == NULL_BLOCK_ID or (mask is not None and not mask[k]):
+                continue
+            if tail + k < start and (before is None or before[k]):
+                continue     # considered before, reachable then: stored or offered already
+            out.append(key)
+        return out
 
     def _refuse_offer(self, st: _ReqState, tokens: int) -> None:
         """A 0-slot cache's store step: count the offer, if one is made (and pin
@@ -940,6 +984,12 @@ class OffloadingScheduler:
         for g in order:
             n = self._storable(st, g, tokens)
             start = st.next_stored[g]
+            pc = prompt_tokens // self._tpc[g]
+            tail = self._final_tail(st, g, n, pc)
+            if tail is not None and tail < start:
+                if self._reconsidered_keys(st, g, tail, start, n, pc):
+                    return g
+                continue
             if n <= start:
                 continue
             keys, last_ids, mask = self._reach(st, g, start, n, prompt_tokens // self._tpc[g])

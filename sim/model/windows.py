@@ -121,6 +121,10 @@ class WindowProfile:
     #: length up to the request's hashed tokens, not only up to the hit limit (the
     #: prompt less one token) (0.33; :func:`sim.model.gpu_cache.eagle_hit`)
     eagle_margin_past_limit: ClassVar[bool] = False
+    #: a finished request's last store looks again at a sliding-window group's final
+    #: partial segment: chunks the prompt's horizon deemed unreachable may be stored
+    #: (0.30 and 0.33; ``OffloadingConnectorScheduler._build_store_jobs``)
+    reconsiders_final_window_tail: ClassVar[bool] = False
 
     # -- group configuration ----------------------------------------------------------
 
@@ -297,6 +301,7 @@ class _New(WindowProfile):
     widens_full_attention_eagle = True
     unannotated_eagle_means_all = False
     caps_storable_by_keys = True
+    reconsiders_final_window_tail = True
 
     def window_scan(
         self, lookup: Lookup, keys: Sequence[OffloadKey], need: int, initial: int | None
@@ -386,6 +391,17 @@ def _chunks_any(blocks: list[bool], bpc: int) -> list[bool]:
     return list(map(any, zip(*(blocks[j::bpc] for j in range(bpc)), strict=True)))
 
 
+def store_alignment(layout: Layout) -> int | None:
+    """The chunk grid vLLM 0.30 and 0.33 judge a window group's store mask on: the
+    full-attention tokens per chunk when all full-attention groups agree (as 0.29,
+    :attr:`~sim.model.layout.Layout.alignment_tokens`); with no full-attention group
+    the largest tokens per chunk of all groups (0.29: none, every chunk reachable);
+    None when full-attention groups disagree."""
+    if any(w is None for w in layout.window_chunks):
+        return layout.alignment_tokens
+    return max(layout.tokens_per_chunk)
+
+
 def _block_mask(layout: Layout, g: int, eagle: bool, start: int, end: int, horizon: int | None,
                 extra: int) -> list[bool] | None:
     """The sliding-window GPU manager's block mask (0.30 and 0.33) over the
@@ -397,7 +413,7 @@ def _block_mask(layout: Layout, g: int, eagle: bool, start: int, end: int, horiz
     group = layout.groups[g]
     if group.kind is not GroupKind.SLIDING_WINDOW:
         return None  # chunked-local and mamba masks are not modelled: dense
-    align = layout.alignment_tokens
+    align = store_alignment(layout)
     bs = group.tokens_per_block
     if align is None or align % bs:
         return None

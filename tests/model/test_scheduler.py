@@ -26,6 +26,7 @@ from sim.model.scheduler import (
     lookup_assertion,
     max_model_len,
 )
+from sim.model.windows import profile
 
 #: one full-attention group, 16-token blocks, one block per chunk, 1000 bytes a block
 FA16 = Layout.of([GroupSpec(GroupKind.FULL, 16, bytes_per_block=1000)], tokens_per_hash=16,
@@ -628,3 +629,47 @@ def test_a_layout_vllm_asserts_on_at_lookup_records_a_crash(on_crash: str) -> No
     quiet.step()
     assert quiet.events == []
 
+
+
+def _final_store_keys(logic: str) -> tuple[list[tuple[int, int]], Request]:
+    """Run one request (100 prompt and 20 output tokens, all offloaded) to its finish on
+    full attention of 64-token blocks beside a 2-token sliding window of 16-token blocks
+    (one block per chunk); return the (group, chunk) of every key of its last store."""
+    layout = Layout.of([GroupSpec(GroupKind.FULL, 64, bytes_per_block=1000),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 16, window=2, bytes_per_block=1000)],
+                       tokens_per_hash=16, blocks_per_chunk=1)
+    sched = Scheduler(SchedulerConfig(layout=layout, gpu_blocks=64, max_num_batched_tokens=128,
+                                      cpu_capacity_chunks=100, window_logic=logic,  # type: ignore[arg-type]
+                                      offload_prompt_only=False), SchedulerHooks())
+    req = make_request("a", 100, 20, prefix=1)
+    sched.add_request(req)
+    t, last = 0.0, None
+    while sched.requests:
+        plan = sched.schedule(t)
+        done = [s.plan for s in plan.stores]
+        if done:
+            last = plan.stores
+        t += 1.0
+        sched.update_from_output(t, plan, done)   # every store completes within its step
+    assert last is not None
+    hashes = req.block_hashes
+    where = {key: (g, j) for g in range(2) for j, key in enumerate(layout.offload_keys(g, hashes))}
+    return sorted(where[k] for s in last for k in s.plan.keys), req
+
+
+def test_a_finished_request_stores_the_window_chunk_its_final_segment_reaches() -> None:
+    """vLLM 0.30 and 0.33 look again, at a finished request's last store, at a sliding-window
+    group's final partial segment of the store grid (``reconsider_final_swa_tail``): a chunk
+    that the prompt's horizon deemed unreachable, and the decode frontier skipped, is
+    reachable at the final horizon. Here the grid is 64 tokens (4 window chunks), the prompt
+    holds 6 chunks, the finished request 7: window chunk 6 (tokens 96-112) was skipped
+    while decoding and is stored at the finish under NEW and LATEST; without that second
+    look it is never stored. Found in lockstep with vLLM 0.30.0 (the run fuzzer's seed 9
+    run 12)."""
+    for logic in ("new", "latest"):
+        keys, _ = _final_store_keys(logic)
+        assert keys == [(1, 6)], (logic, keys)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(profile(logic)), "reconsiders_final_window_tail", False)
+            keys, _ = _final_store_keys(logic)
+        assert (1, 6) not in keys, (logic, keys)

@@ -25,8 +25,8 @@ from sim.model import windows
 from sim.model.connector import ModelledCrashError, OffloadingScheduler
 from sim.model.cpu_cache import CpuChunkCache, EvictionPolicy, LookupResult, key_parts, offload_key
 from sim.model.gpu_cache import Block
-from sim.model.layout import Layout
-from sim.model.windows import NEW, OLD, WindowProfile
+from sim.model.layout import GroupKind, GroupSpec, Layout
+from sim.model.windows import NEW, OLD, WindowProfile, profile, store_alignment
 from tests.helpers import Req, World, fa, make_req, swa
 
 H = LookupResult.HIT
@@ -444,3 +444,24 @@ def test_periodic_mask_and_chunks_any_equal_their_definitions() -> None:
             blocks = [(k * 7 + n) % 5 == 0 for k in range(n * bpc)]
             want = [any(blocks[k * bpc : (k + 1) * bpc]) for k in range(n)]
             assert windows._chunks_any(blocks, bpc) == want
+
+
+def test_without_full_attention_the_store_grid_is_the_largest_chunk() -> None:
+    """vLLM 0.30 and 0.33 judge a window group's store mask on the full-attention chunk grid
+    and, with no full-attention group, on the largest tokens per chunk of all groups (0.29:
+    no grid, every chunk reachable). A 5-token window of 4-token blocks beside a chunked-local
+    group of 16-token blocks stores only the chunks that end on the 16-token grid (those a
+    hit needs). Found in lockstep with vLLM 0.30.0 (the run fuzzer's seed 7 runs 14 and 30:
+    kvsim offered all eight window chunks of the first 32-token prefill, vLLM two)."""
+    layout = Layout.of([GroupSpec(GroupKind.CHUNKED_LOCAL, 16, attention_chunk=32),
+                        GroupSpec(GroupKind.SLIDING_WINDOW, 4, window=5)], tokens_per_hash=4)
+    assert layout.alignment_tokens is None and store_alignment(layout) == 16
+    ids = list(range(1, 9))
+    assert profile("old").reachable_chunks(layout, 1, False, 0, 8, 8, None, ids) is None
+    for logic in ("new", "latest"):
+        mask = profile(logic).reachable_chunks(layout, 1, False, 0, 8, 8, None, ids)
+        assert mask == [False, False, False, True, False, False, False, True], logic
+    # with a full-attention group the grid is its chunk, as before
+    full = Layout.of([GroupSpec(GroupKind.FULL, 32), GroupSpec(GroupKind.SLIDING_WINDOW, 4, window=5)],
+                     tokens_per_hash=4)
+    assert store_alignment(full) == full.alignment_tokens == 32
