@@ -114,11 +114,11 @@ class VllmEngine(Engine):
             return False
         start = env.now
         jobs, waited = real.flush(step)
-        submitted = len(jobs)
+        flushed = len(waited)
         self._submit(jobs, waited)
         yield from self._wait_for(waited)
         jobs, waited = real.start_transfers(step)
-        submitted += len(jobs)
+        flushed += len(waited)
         loads = [j for j in jobs if j.direction == "h2d"]
         # kvsim's engine: the scheduler's per-block time before the step's loads are submitted
         cost = self.cfg.step_cost
@@ -144,7 +144,10 @@ class VllmEngine(Engine):
         nsteps = 1 if step.scheduled else 0
         self.summary.steps += nsteps
         self.summary.peak_waiting = max(self.summary.peak_waiting, real.num_waiting)
-        did = bool(step.scheduled or submitted or completed or finished or step.preempted
+        # the worker's submission of the stores the last step built is not work of this step
+        # (that step counted them, as kvsim's engine does; a flush is): else, with nothing
+        # else done, vLLM's side took one more step at once than kvsim's model
+        did = bool(step.scheduled or flushed or loads or completed or finished or step.preempted
                    or step.loads or step.stores or self._unsubmitted())
         if did:
             self.step_no += 1

@@ -479,3 +479,39 @@ def test_fuzzed_window_store_runs_agree_with_every_release(vllm_python: tuple[st
     diff = summary["differential"]
     assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 150, diff
     assert summary["end"] == "ok"
+
+
+@pytest.mark.parametrize(("seed", "run"), [(8, 13), (9, 9)])
+def test_a_step_that_only_submits_stores_is_no_work(vllm_python: tuple[str, Path], tmp_path: Path,
+                                                     seed: int, run: int) -> None:
+    """After a finished request's last store, with nothing running, vLLM's worker submits
+    that store at the next step; kvsim's vLLM engine counted the submission as work and took
+    yet another step at once, kvsim's engine waited for an event (docs/vllm.md finding 26).
+    Seed 8 run 13 (one EAGLE group, no prefix caching) diverged so under 0.33.0, seed 9 run 9
+    (an EAGLE group beside a sliding window) under 0.29.0 and 0.30.0. Now they agree; under
+    0.30.0 seed 9 run 9 then reaches a state vLLM 0.30 never leaves (two requests hold
+    blocks while waiting to load, nothing runs: it waits until the time limit), which
+    kvsim's deadlock breaker ends, so the first divergence is that step's start."""
+    import tomli_w
+
+    from sim.tools import fuzz
+
+    version, python = vllm_python
+    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
+    data["output"]["max_sim_time_s"] = 120.0
+    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
+    scenario.write_text(tomli_w.dumps(data))
+    if (seed, run, version) == (9, 9, "0.30.0"):
+        out = tmp_path / "diff"
+        r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
+                   cwd=tmp_path)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]   # 1: diverged
+        diff = json.loads((out / "summary.json").read_text())["differential"]
+        first = diff["first"]
+        assert diff["status"]["vllm"] == "time_limit", diff
+        assert first["what"] == "step start" and first["step"] > 165 and float(first["vllm"]) == 120.0, first
+        return
+    _, summary, _ = _lockstep(python, scenario, tmp_path)
+    diff = summary["differential"]
+    assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 900, diff
+    assert summary["end"] == "ok"
