@@ -59,6 +59,22 @@ def _write(tmp: Path, text: str, name: str) -> Path:
     return p
 
 
+def _fuzzed(tmp: Path, seed: int, run: int, version: str,
+            max_sim_time_s: float | None = None) -> tuple[Path, dict[str, Any]]:
+    """The run fuzzer's configuration ``run`` of ``seed`` under the logic of vLLM ``version``,
+    written as a scenario in ``tmp``; the path and the configuration."""
+    import tomli_w
+
+    from sim.tools import fuzz
+
+    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
+    if max_sim_time_s is not None:
+        data["output"]["max_sim_time_s"] = max_sim_time_s
+    scenario = tmp / f"fuzz-s{seed}-i{run}.toml"
+    scenario.write_text(tomli_w.dumps(data))
+    return scenario, data
+
+
 def _lockstep(python: Path | str, scenario: Path, tmp: Path,
               *sets: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     """``kvsim run SCENARIO --decisions differential`` in a vLLM environment (``sets``: its
@@ -307,14 +323,8 @@ def test_fuzzed_runs_agree_with_every_release(vllm_python: tuple[str, Path], tmp
     the queue, the run then thrashed for the whole simulated hour: 41,154 preemptions).
     Seed 5 run 523 diverged at its step 161: after a step that only released a finished
     request, kvsim's engine took another step at the same time, repeating the lookups."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
-    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
+    scenario, _ = _fuzzed(tmp_path, seed, run, version)
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     diff = summary["differential"]
     assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 1000, diff
@@ -368,14 +378,8 @@ def test_a_chunked_local_layout_vllm_asserts_on_crashes_alike(vllm_python: tuple
     block size is not the layout's common multiple: 16 in 64, 8 in 16): every release asserts
     at the first local lookup; kvsim's model records the same crash at the same step, and the
     lockstep agrees up to where vLLM stops."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(7, run)), "window_logic": VLLM_LOGIC_OF[version]}
-    scenario = tmp_path / f"fuzz-s7-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
+    scenario, _ = _fuzzed(tmp_path, 7, run, version)
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     assert summary["end"] == "stopped_on_crash" and summary["crashes"]["kinds"] == {"assertion": 1}
@@ -392,14 +396,8 @@ def test_fuzzed_mamba_runs_with_prefix_caching_agree(vllm_python: tuple[str, Pat
     state block per block, so 9 of the 10 requests are refused on arrival on both sides
     (kvsim counted two blocks and queued them). Under 0.33 (``"align"`` mode only, not
     modelled) the first step differs, as docs/vllm.md finding 13 says."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
-    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
+    scenario, _ = _fuzzed(tmp_path, seed, run, version)
     if VLLM_LOGIC_OF[version] == "latest":
         out = tmp_path / "diff"
         r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
@@ -425,15 +423,9 @@ def test_fuzzed_eagle_runs_agree_with_every_release(vllm_python: tuple[str, Path
     two full-attention groups of 4-token blocks, one EAGLE; seed 8 run 59: one EAGLE group
     (the unitary lookup); seed 9 run 41: an EAGLE sliding window; seed 9 run 46: two full
     groups of one block size and different shapes, one EAGLE."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
+    scenario, data = _fuzzed(tmp_path, seed, run, version)
     assert any(g.get("eagle") for g in data["model"]["groups"])
-    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     diff = summary["differential"]
     assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 200, diff
@@ -444,15 +436,9 @@ def test_an_eagle_chunked_local_group_crashes_alike(vllm_python: tuple[str, Path
     """Seed 9 run 44 of the run fuzzer (an EAGLE chunked-local group, prefix caching on): vLLM's
     chunked-local finder refuses to drop an EAGLE block and asserts at the first lookup, in
     every release; kvsim's model records the same crash at the same step."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(9, 44)), "window_logic": VLLM_LOGIC_OF[version]}
+    scenario, data = _fuzzed(tmp_path, 9, 44, version)
     assert any(g.get("eagle") and g["kind"] == "chunked_local" for g in data["model"]["groups"])
-    scenario = tmp_path / "fuzz-s9-i44.toml"
-    scenario.write_text(tomli_w.dumps(data))
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     assert summary["differential"]["divergences"] == 0, summary["differential"]
     assert summary["end"] == "stopped_on_crash" and summary["crashes"]["kinds"] == {"assertion": 1}
@@ -467,14 +453,8 @@ def test_fuzzed_window_store_runs_agree_with_every_release(vllm_python: tuple[st
     full-attention group sets the grid (docs/vllm.md finding 24). Seed 9 runs 12 and 26: at a
     finished request's last store 0.30 and 0.33 look again at the window's final partial
     segment and store a chunk the decode frontier skipped (finding 25)."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
-    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
+    scenario, _ = _fuzzed(tmp_path, seed, run, version)
     _, summary, _ = _lockstep(python, scenario, tmp_path)
     diff = summary["differential"]
     assert diff["divergences"] == 0 and not diff["known"] and diff["decisions"] > 150, diff
@@ -492,15 +472,8 @@ def test_a_step_that_only_submits_stores_is_no_work(vllm_python: tuple[str, Path
     0.30.0 seed 9 run 9 then reaches a state vLLM 0.30 never leaves (two requests hold
     blocks while waiting to load, nothing runs: it waits until the time limit), which
     kvsim's deadlock breaker ends, so the first divergence is that step's start."""
-    import tomli_w
-
-    from sim.tools import fuzz
-
     version, python = vllm_python
-    data = {**fuzz.run_config(fuzz._rng_for(seed, run)), "window_logic": VLLM_LOGIC_OF[version]}
-    data["output"]["max_sim_time_s"] = 120.0
-    scenario = tmp_path / f"fuzz-s{seed}-i{run}.toml"
-    scenario.write_text(tomli_w.dumps(data))
+    scenario, _ = _fuzzed(tmp_path, seed, run, version, max_sim_time_s=120.0)
     if (seed, run, version) == (9, 9, "0.30.0"):
         out = tmp_path / "diff"
         r = _kvsim(python, "run", str(scenario), "--decisions", "differential", "--out", str(out), "-q",
