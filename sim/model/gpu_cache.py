@@ -425,7 +425,9 @@ class GpuKVCache:
     def _empty_boundary(self, g: int, n: int) -> int:
         """The largest boundary (in blocks, at most ``n``) at which window-type
         group ``g`` retains nothing, 0 when there is none: a chunked-local
-        boundary on its attention chunk, or any boundary of a window of one token."""
+        boundary on its attention chunk. A sliding window has none, even of one
+        token (which retains nothing at a block boundary): vLLM's finder ends its
+        hit on the rightmost cached block (docs/vllm.md finding 27)."""
         spec = self.layout.groups[g]
         if spec.kind is GroupKind.CHUNKED_LOCAL:
             bs = self._bs[g]
@@ -433,8 +435,8 @@ class GpuKVCache:
                 if self.retained_range(g, end * bs)[0] >= end:
                     return end
             return 0
-        if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
-            return n
+        # a sliding window of one token needs no block before a boundary, yet vLLM's finder
+        # still ends a hit on a cached block (its rightmost one): no boundary is empty
         return 0
 
     def _window_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:

@@ -798,9 +798,9 @@ class GpuFastCache:
         return 0
 
     def _empty_boundary(self, g: int, n: int) -> int:
-        """The largest ``end <= n`` at which group ``g`` retains no block
-        (``retained_range(g, end * bs)[0] >= end``), 0 if none: a hit may end
-        there with nothing cached. The reference's
+        """The largest ``end <= n`` at which chunked-local group ``g`` retains no
+        block (``retained_range(g, end * bs)[0] >= end``), 0 if none or for a
+        sliding window: a hit may end there with nothing cached. The reference's
         :meth:`~sim.model.gpu_cache.GpuKVCache._empty_boundary` scans for it one
         boundary at a time; tests/model/test_gpu_fast.py checks the two agree."""
         spec = self.layout.groups[g]
@@ -811,8 +811,8 @@ class GpuFastCache:
             assert chunk is not None
             step = chunk // math.gcd(chunk, self._bs[g])
             return n // step * step
-        if (spec.window or 0) <= 1:   # a hit needs the window alone (:meth:`hit_first`)
-            return n
+        # a sliding window of one token needs no block before a boundary, yet vLLM's finder
+        # still ends a hit on a cached block (its rightmost one): no boundary is empty
         return 0
 
     def _window_hit(self, g: int, block_hashes: Sequence[int], n: int) -> int:

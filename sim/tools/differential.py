@@ -60,6 +60,12 @@ Simplifications
       raises at the first crash of a step; kvsim's model records every crash
       of the step, so its crashes after vLLM's are not compared.
     * A run folder holds kvsim's model's rows; vLLM's side keeps none.
+    * kvsim's deadlock breaker (``sim.model.scheduler``: nothing runs or is in
+      flight and the waiting request at the head cannot get room) has no
+      counterpart in vLLM, which waits there for ever (or for something new to
+      arrive). The step in which kvsim breaks one ends the comparison with a
+      divergence of its own kind, ``deadlock_break``, as the place where vLLM
+      would hang (docs/vllm.md finding 28).
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ __all__ = ["FIELDS", "DifferentialReport", "Lockstep", "NullSink", "StepDecision
 FIELDS = ("lookup", "scheduled", "blocks", "load_keys", "store_keys", "preempted")
 #: the per-step decisions compared after the requests' (crashes are compared first)
 STEP_FIELDS = ("evicted", "flushed")
+#: kvsim's side of a ``deadlock_break`` divergence
+DEADLOCK_BREAK = ("broke a deadlock: preempted the waiting requests that hold GPU blocks, or rejected "
+                  "one that never fits (a listed simplification: vLLM has no such breaker)")
 
 #: a chunk as ``(hash, group)``, as both sides' decisions are compared and reported
 #: (kvsim's keys through :func:`sim.model.cpu_cache.key_parts`)
@@ -110,10 +119,12 @@ class StepDecisions:
     evicted: tuple[Key, ...] = ()
     flushed: int = 0
     crashes: tuple[tuple[str, str], ...] = ()
+    #: kvsim's side only: its deadlock breaker preempted or rejected a request in this step
+    deadlock_break: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.requests or self.evicted or self.flushed or self.crashes)
+        return not (self.requests or self.evicted or self.flushed or self.crashes or self.deadlock_break)
 
 
 @dataclass(frozen=True)
@@ -264,7 +275,8 @@ def model_decisions(engine: Engine, plan: StepPlan, crashes: tuple[tuple[str, st
     for rid in whole:
         if rid in gpu.req_blocks:
             reqs[rid]["blocks"] = _blocks(gpu.block_ids(rid))
-    return StepDecisions(engine.env.now, dict(reqs), tuple(sorted(evicted)), len(plan.flush), crashes)
+    return StepDecisions(engine.env.now, dict(reqs), tuple(sorted(evicted)), len(plan.flush), crashes,
+                         plan.broke_deadlock)
 
 
 def vllm_decisions(engine: Any, step: Any, crashes: tuple[tuple[str, str], ...]) -> StepDecisions:
@@ -438,6 +450,9 @@ def compare_steps(a: StepDecisions, b: StepDecisions, rep: DifferentialReport,
     step = rep.steps
     t = min(a.t_s, b.t_s)
     rep.decisions += 1
+    if a.deadlock_break:   # vLLM, in the same state, has no way out: it waits
+        later = f"; its next decision at t={b.t_s:.6f} s" if b.t_s > a.t_s else ""
+        return StepDivergence(step, a.t_s, "", "deadlock_break", DEADLOCK_BREAK, f"waits (no breaker{later})")
     if a.t_s != b.t_s:
         return StepDivergence(step, t, "", "step start", a.t_s, b.t_s)
     if a.crashes or b.crashes:   # first: after vLLM's assertion the rest of its step never happened

@@ -213,7 +213,9 @@ def test_seed_1_rediscovers_the_unaligned_hit_class(tmp_path: Path, capsys):
 
 
 def test_run_fuzzer_is_clean_on_correct_code():
-    rep = fuzz_runs(24, 4, jobs=2)
+    # seed 7: 4 preemptions and 12 load jobs under NEW in its first 24 runs (seed 4's one
+    # preemption came from a one-token window's whole-prompt hit, gone with finding 27)
+    rep = fuzz_runs(24, 7, jobs=2)
     assert rep.findings == [], [(f.kind, f.logic, f.index, f.detail) for f in rep.findings]
     # and it exercised what it is meant to: preemptions, CPU loads, full CPU caches
     assert rep.coverage["new:preemptions"] and rep.coverage["new:load_jobs"]
