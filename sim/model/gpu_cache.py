@@ -45,7 +45,6 @@ Invariants
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -236,7 +235,7 @@ def eagle_hit(layout: Layout, cached: Callable[[int, int], bool], group_hit: Cal
     if len(groups) == 1:   # vLLM's unitary coordinator: one lookup, aligned to the block size
         return _class_hit(layout, cached, group_hit, (0,), max_tokens, groups[0].eagle,
                           groups[0].tokens_per_block)
-    align = math.lcm(*(g.tokens_per_block for g in groups))
+    align = layout.scheduler_block_size
     classes = layout.hit_groups
     simple = len(classes) == 2 and groups[classes[0][0][0]].kind is GroupKind.FULL
     hit = max_tokens
@@ -302,14 +301,12 @@ def _class_hit(layout: Layout, cached: Callable[[int, int], bool], group_hit: Ca
         if run >= need:
             kept = i + run
             break
+    per = align // bs     # blocks per alignment step (the alignment is a multiple of bs)
     if kept < 0:          # no match: a run from block 0 counts, cut to the alignment
-        kept = run
-        while bs != align and kept * bs % align:
-            kept -= 1
+        kept = run - run % per
     if drop and kept > 0:
         kept -= 1
-        while bs != align and kept * bs % align:
-            kept -= 1
+        kept -= kept % per
     return kept * bs
 
 

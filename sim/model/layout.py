@@ -131,6 +131,14 @@ class GroupSpec:
             d["eagle"] = True
         return d
 
+    @property
+    def attention_key(self) -> tuple[object, ...]:
+        """What of vLLM's KV cache spec the group sets apart from its per-layer shape: kind,
+        block size, window, attention chunk, ``extra_retained_tokens``
+        (:attr:`Layout.spec_classes` adds the shape)."""
+        return (self.kind, self.tokens_per_block, self.window, self.attention_chunk,
+                self.extra_retained_tokens)
+
     def skipped_tokens(self, num_computed: int) -> int:
         """Tokens before the retained window at boundary ``num_computed`` (spec §5.1)."""
         kind = self.kind
@@ -291,9 +299,7 @@ class Layout:
             s = g.shape
             per_layer = ((s.kv_heads, s.head_size, s.dtype_bytes, s.mla) if s is not None
                          else g.bytes_per_block)
-            key = (g.kind, g.tokens_per_block, g.window, g.attention_chunk, g.extra_retained_tokens,
-                   per_layer)
-            out.append(keys.setdefault(key, len(keys)))
+            out.append(keys.setdefault((*g.attention_key, per_layer), len(keys)))
         return tuple(out)
 
     @cached_property
@@ -320,6 +326,12 @@ class Layout:
         return tuple(out)
 
     @cached_property
+    def scheduler_block_size(self) -> int:
+        """vLLM's scheduler block size: the groups' least common block size (one group: its
+        block size), the grid a hybrid prefix-cache hit is aligned to."""
+        return math.lcm(*(g.tokens_per_block for g in self.groups))
+
+    @cached_property
     def gpu_cache_align(self) -> int | None:
         """The token multiple a request's blocks are hashed up to in vLLM's prefix cache:
         with more than one group, vLLM's hybrid coordinator caches only up to the computed
@@ -328,7 +340,7 @@ class Layout:
         group, or a Mamba group, where vLLM may hash finer): every complete block."""
         if len(self.groups) < 2 or any(g.kind is GroupKind.MAMBA for g in self.groups):
             return None
-        return math.lcm(*(g.tokens_per_block for g in self.groups))
+        return self.scheduler_block_size
 
     def cacheable_tokens(self, g: int, num_tokens: int) -> int:
         """Of ``num_tokens`` computed tokens, how many group ``g``'s prefix cache hashes
@@ -348,7 +360,7 @@ class Layout:
         sliding-window block ``i`` is hashed iff ``i >= shift`` and ``(i - shift) % per_segment
         >= per_segment - need``, the ``need`` blocks a hit needs before every boundary of the
         scheduler block size (the groups' least common multiple). The same in 0.29 to 0.33."""
-        align = math.lcm(*(g.tokens_per_block for g in self.groups))
+        align = self.scheduler_block_size
         out: list[tuple[int, int, int] | None] = []
         for i, g in enumerate(self.groups):
             bs = g.tokens_per_block

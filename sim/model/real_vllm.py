@@ -316,8 +316,7 @@ class RealVllmScheduler:
         # (Layout.hit_groups)
         nth: dict[tuple[object, ...], dict[int, int]] = {}
         for g, cls in zip(self.layout.groups, self.layout.spec_classes, strict=True):
-            alike = nth.setdefault((g.kind, g.tokens_per_block, g.window, g.attention_chunk,
-                                    g.extra_retained_tokens), {})
+            alike = nth.setdefault(g.attention_key, {})
             k = alike.setdefault(cls, len(alike)) + 1
             common = {"block_size": g.tokens_per_block, "num_kv_heads": 1, "head_size": 8 * k, "dtype": f16}
             if g.kind is GroupKind.SLIDING_WINDOW:
