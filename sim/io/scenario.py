@@ -36,7 +36,7 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
                           host_step_s, host_per_request_s, host_per_hashed_block_s,
                           host_per_block_s, host_per_loaded_block_s,
-                          host_no_forward_step_s, mfu, mbu (the roofline's
+                          host_no_forward_step_s, host_eager_layer_s, mfu, mbu (the roofline's
                           efficiencies, default 0.5 and 0.8)
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
@@ -57,7 +57,9 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
     [costs]               step ("auto": the roofline of the model's [shape] or its
                           cost_profile's on the hardware's GPU | "zero" | {overhead_s,
                           prefill_token_s, decode_seq_s, context_token_s}), transfer
-                          ("hardware" | "zero"), tensor_parallel (1)
+                          ("hardware" | "zero"), tensor_parallel (1), enforce_eager
+                          (false: vLLM's CUDA graphs; true: every forward pass takes at
+                          least the model's layers x hardware.host_eager_layer_s, "auto" only)
     [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
                           timing (model | measured), memory_limit
     [output]              occupancy_interval_s (1.0), max_sim_time_s (none), stop_at_waiting (none)
@@ -515,6 +517,9 @@ class HardwareFile(Strict):
     host_no_forward_step_s: float | None = Field(
         default=None, ge=0, le=1, description="scheduler time of a step that runs no forward pass but "
         "issues loads (default: the GPU's)")
+    host_eager_layer_s: float | None = Field(
+        default=None, ge=0, le=1, description="host time per decoder layer to launch a forward pass's "
+        "kernels without CUDA graphs, costs.enforce_eager (default: the GPU's)")
     mfu: float | None = Field(
         default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's matmuls reach, "
         "for every step (default: the GPU's measured curve by tokens per step, else 0.5; kvsim calibrate "
@@ -547,6 +552,7 @@ class HardwareSection(Strict):
     host_per_block_s: float | None = Field(default=None, ge=0, le=1)
     host_per_loaded_block_s: float | None = Field(default=None, ge=0, le=1)
     host_no_forward_step_s: float | None = Field(default=None, ge=0, le=1)
+    host_eager_layer_s: float | None = Field(default=None, ge=0, le=1)
     mfu: float | None = Field(default=None, gt=0, le=1)
     mbu: float | None = Field(default=None, gt=0, le=1)
     dense_bf16_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -747,6 +753,9 @@ class CostsSection(Strict):
     ] = Field(default="auto", description='"auto" (GPU x model profile), "zero" or an inline table')
     transfer: Literal["hardware", "zero"] = Field(default="hardware", description="link model")
     tensor_parallel: int = Field(default=1, gt=0, description="GPUs per model replica (also shards KV heads)")
+    enforce_eager: bool = Field(
+        default=False, description="vLLM's enforce_eager: no CUDA graphs, every forward pass takes at least "
+        "its decoder layers x hardware.host_eager_layer_s (step \"auto\" only)")
 
 
 class CopyPathSection(Strict):
@@ -1192,6 +1201,7 @@ class ResolvedHardware:
     host_per_block_s: float = 0.0
     host_per_loaded_block_s: float = 0.0
     host_no_forward_step_s: float = 0.0
+    host_eager_layer_s: float = 0.0
     mfu: float | None = None  #: a constant matmul efficiency; None: the GPU's curve (else DEFAULT_MFU)
     mbu: float = DEFAULT_MBU
 
@@ -1640,6 +1650,8 @@ class RunSpec:
         for key in ("gpu_memory_utilization", "h2d_bandwidth", "d2h_bandwidth", "h2d_latency_s",
                     "d2h_latency_s", "h2d_piece_overhead_s", "d2h_piece_overhead_s", "h2d_duplex_factor",
                     "d2h_duplex_factor", *HOST_KEYS):
+            if key == "host_eager_layer_s" and not sc.costs.enforce_eager:
+                continue   # used only by eager runs: earlier resolved scenarios unchanged
             hardware[key] = getattr(hw, key)
         if hw.mfu is not None:   # the defaults left out: earlier resolved scenarios unchanged
             hardware["mfu"] = hw.mfu
@@ -1677,6 +1689,8 @@ class RunSpec:
                     "decode_seq_s": float(c.decode_seq_s), "context_token_s": float(c.context_token_s)}
         out["costs"] = {"step": step, "transfer": sc.costs.transfer,
                         "tensor_parallel": sc.costs.tensor_parallel}
+        if sc.costs.enforce_eager:   # off: left out, earlier resolved scenarios unchanged
+            out["costs"]["enforce_eager"] = True
         out["copy_path"] = sc.copy_path.model_dump(exclude_none=True)
         out["output"] = sc.output.model_dump(exclude_none=True)
         return out
@@ -1724,6 +1738,11 @@ def _eviction(policy: str) -> Any:
 def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layout: Layout,
                source: str) -> StepTimeModel:
     step = sc.costs.step
+    if sc.costs.enforce_eager and step != "auto":
+        what = repr(step) if isinstance(step, str) else "an inline table"
+        raise InputError(source, "costs.enforce_eager", f"true with costs.step = {what}: the launch time "
+                         "of the model's layers needs the roofline step model", 'costs.step = "auto", or '
+                         "enforce_eager = false (a step table measured eager holds the launches already)")
     if step == "zero":
         return ZERO_STEP
     if isinstance(step, StepTable):
@@ -1736,7 +1755,7 @@ def _step_cost(sc: RunScenario, model: ResolvedModel, hw: ResolvedHardware, layo
     return roofline_step_model(hw.gpu_profile, model.cost_shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in model.cost_groups],
                                tensor_parallel=sc.costs.tensor_parallel, mfu=hw.mfu, mbu=hw.mbu,
-                               host=hw.host())
+                               host=hw.host(), enforce_eager=sc.costs.enforce_eager)
 
 
 def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, TransferModel]:
@@ -1748,10 +1767,11 @@ def _transfers(sc: RunScenario, hw: ResolvedHardware) -> tuple[TransferModel, Tr
                           hw.d2h_duplex_factor))
 
 
-def step_model_for(gpu: str, model: str, *, tensor_parallel: int = 1, tokens_per_hash: int = 16
-                   ) -> RooflineStepModel:
+def step_model_for(gpu: str, model: str, *, tensor_parallel: int = 1, tokens_per_hash: int = 16,
+                   enforce_eager: bool = False) -> RooflineStepModel:
     """The ``costs.step = "auto"`` model of the shipped ``model`` on ``gpu`` (its GPU
-    profile's host overhead), as a run on the shipped hardware profile of that GPU gets it.
+    profile's host overhead), as a run on the shipped hardware profile of that GPU gets it
+    (with ``costs.enforce_eager = enforce_eager``).
 
     Raises:
         InputError: no such shipped model, or it has no ``[shape]``.
@@ -1765,7 +1785,7 @@ def step_model_for(gpu: str, model: str, *, tensor_parallel: int = 1, tokens_per
     layout = Layout.of([group_spec(g, tensor_parallel) for g in mf.groups], tokens_per_hash, 1)
     return roofline_step_model(GPU_PROFILES[gpu], shape, layout.groups,
                                param_groups=[group_spec(g, 1) for g in mf.groups],
-                               tensor_parallel=tensor_parallel)
+                               tensor_parallel=tensor_parallel, enforce_eager=enforce_eager)
 
 
 def build_run(data: dict[str, Any], path: Path, overridden: Mapping[str, str] | None = None) -> RunSpec:

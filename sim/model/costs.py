@@ -13,13 +13,14 @@ What it models
       ``model/1`` file) and the GPU's datasheet (:data:`GPU_PROFILES`)::
 
           step = host_step_s + host_per_request_s x requests + scheduler_s
-               + max(compute_s, memory_s)
+               + max(compute_s, memory_s, launch_s)
           scheduler_s = host_per_block_s x (blocks + loaded blocks)
                       + host_per_loaded_block_s x loaded blocks
           compute_s = (token_flops x new tokens + sample_flops x requests) / (peak x mfu(T))
                     + sum over groups g of pair_flops[g] x pairs[g] / (peak x eff[g])
           memory_s  = (weight_bytes - expert_bytes x (1 - k/E)^tokens + kv_read_bytes)
                       / (hbm_bandwidth x mbu)
+          launch_s  = decoder layers x host_eager_layer_s   (enforce_eager; else 0)
 
       per worker (tensor parallelism divides FLOPs, weights and KV). ``mfu(T)``,
       the matmuls' fraction of peak for a step of ``T = prefill tokens + decode
@@ -39,7 +40,10 @@ What it models
       ``token_flops`` is ``2 x`` the active parameters a token passes through
       (without the embedding gather and the LM head), ``sample_flops`` the LM
       head, applied once per scheduled request (vLLM computes logits at one
-      position per request).
+      position per request). ``launch_s`` is the host launching the pass's
+      kernels one by one when no CUDA graph replays it (vLLM's
+      ``enforce_eager``, ``costs.enforce_eager``): the GPU runs them as they
+      come, so a pass takes the longer of its GPU time and its launches.
     * :class:`StepCostModel` (an inline ``[costs] step`` table): the linear
       model of earlier releases, ``overhead + prefill_token x prefill tokens
       + decode_seq x decode sequences + context_token x context tokens``,
@@ -86,6 +90,13 @@ Simplifications
       A loaded block's second charge (``host_per_loaded_block_s``, vLLM's work
       when the load completes) is taken with the load's admission, not after it:
       the same total on a request's critical path.
+    * Without ``enforce_eager`` every forward pass replays a CUDA graph (no
+      launch time beyond ``host_step_s``); vLLM captures graphs up to a batch
+      size and runs larger steps without one, where its compiled kernels'
+      launches hide behind the GPU time of such a large step. With it, the
+      launch time is the same for every layer of every model (one figure per
+      host, ``host_eager_layer_s``), whatever the layer's kernels and the step's
+      size, and overlaps the GPU time completely.
     * KV writes of new tokens, activations and the all-reduce of tensor
       parallelism are free; attention reads each request's attended KV once
       per step; a prefill's attention FLOPs are counted exactly per causal
@@ -406,6 +417,9 @@ class HostOverhead:
             (charged with the load's admission: the same total on the request's path).
         no_forward_step_s: the scheduler's fixed time in a step that runs no forward
             pass but issues loads (a step with a forward pass has it in ``step_s``).
+        eager_layer_s: per decoder layer, the host's time to launch a forward pass's
+            kernels when no CUDA graph replays it (vLLM's ``enforce_eager``); unused
+            otherwise (:attr:`RooflineStepModel.launch_s`).
     """
 
     step_s: float = 0.0
@@ -414,10 +428,11 @@ class HostOverhead:
     per_block_s: float = 0.0
     per_loaded_block_s: float = 0.0
     no_forward_step_s: float = 0.0
+    eager_layer_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("step_s", "per_request_s", "per_hashed_block_s", "per_block_s", "per_loaded_block_s",
-                     "no_forward_step_s"):
+                     "no_forward_step_s", "eager_layer_s"):
             object.__setattr__(self, name, _finite_non_negative("HostOverhead", name, getattr(self, name)))
 
 
@@ -443,6 +458,9 @@ class RooflineStepModel:
             step's tokens (``prefill_tokens + decode_seqs``), ``(tokens, FLOP/s)`` points with
             increasing tokens, linear between them and flat outside (:meth:`token_rate`);
             empty: ``flops_per_s`` for every step.
+        launch_s: the least time of a forward pass, its kernels launched one by one by
+            the host (vLLM's ``enforce_eager``: decoder layers x
+            :attr:`HostOverhead.eager_layer_s`); 0: a CUDA graph replays every pass.
     """
 
     token_flops: float
@@ -456,6 +474,7 @@ class RooflineStepModel:
     expert_bytes: float = 0.0
     expert_idle: float = 0.0
     token_rate_curve: tuple[tuple[int, float], ...] = ()
+    launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         o = "RooflineStepModel"
@@ -464,7 +483,7 @@ class RooflineStepModel:
         if any(b[0] <= a[0] for a, b in pairwise(curve)) or any(t < 1 for t, _ in curve):
             raise ValueError(f"{o}.token_rate_curve needs token counts >= 1, increasing, got {curve!r}")
         object.__setattr__(self, "token_rate_curve", curve)
-        for name in ("token_flops", "sample_flops", "weight_bytes", "expert_bytes"):
+        for name in ("token_flops", "sample_flops", "weight_bytes", "expert_bytes", "launch_s"):
             object.__setattr__(self, name, _finite_non_negative(o, name, getattr(self, name)))
         if self.expert_bytes > self.weight_bytes:
             raise ValueError(f"{o}.expert_bytes ({self.expert_bytes}) exceeds weight_bytes "
@@ -537,9 +556,9 @@ class RooflineStepModel:
 
     def time(self, load: StepLoad) -> float:
         """Seconds the step takes: host overhead (per step, per request and the
-        scheduler's per-block time) plus the larger of compute and memory time."""
+        scheduler's per-block time) plus the largest of compute, memory and launch time."""
         host = self.host.step_s + self.host.per_request_s * load.requests + self.scheduler_s(load)
-        return host + max(self.compute_s(load), self.memory_s(load))
+        return host + max(self.compute_s(load), self.memory_s(load), self.launch_s)
 
     def no_forward_s(self, load: StepLoad) -> float:
         """Seconds of a step that runs no forward pass but issues loads: the scheduler's
@@ -717,6 +736,11 @@ HOST_PER_HASHED_BLOCK_S = 1.5e-6
 HOST_PER_BLOCK_S = 1.55e-6
 HOST_PER_LOADED_BLOCK_S = 0.8e-6
 HOST_NO_FORWARD_STEP_S = 0.22e-3
+#: The host's time per decoder layer to launch a forward pass's kernels one by one, vLLM with
+#: enforce_eager (docs/costs.md, "Eager launches"): vLLM 0.29.0 running a Qwen2.5-7B decoder (28 layers,
+#: an A800) eager at 22-23 ms per output token against 13 ms with CUDA graphs, the step's 1.4 ms of host
+#: time taken off: (22.5 - 1.4) / 28 = 0.75 ms per layer (vllm-project/vllm-omni issue 7960)
+HOST_EAGER_LAYER_S = 0.75e-3
 
 #: A GH200's NVLink-C2C host link (docs/costs.md): copy-engine memcpy measured 346 GB/s host->device
 #: (nvbandwidth), device->host about 15 % slower and measured 297 GB/s in a study; each way keeps about
@@ -750,6 +774,12 @@ _HOST_SOURCES = (
     "Llama-3.1-8B 16-token blocks, 64-6,400 blocks: schedule() 1.55 us per prompt block (admitting a "
     "load or a cold prefill chunk) plus 0.22 ms when it only admits a load, update_from_output() "
     "0.8 us per loaded block (a 2-CPU VM; 0.33.0 about 1.8x these)",
+    "https://github.com/vllm-project/vllm-omni/issues/7960: vLLM 0.29.0, Qwen2.5-Omni-7B's thinker "
+    "(a Qwen2.5-7B decoder, 28 layers) on an A800, TPOT 22-23 ms with enforce_eager, 13 ms with CUDA "
+    "graphs: 0.75 ms per layer of eager launches",
+    "https://github.com/deepspeedai/DeepSpeed/pull/8352: vLLM on an H200, GPT-2 (12 layers) at batch 1, "
+    "207.7 tok/s eager against 766.6 with CUDA graphs: about 0.3 ms per layer (a lighter layer); "
+    "assumption: 0.75 ms per layer on every host",
 )
 
 
@@ -763,7 +793,7 @@ _MATMUL_SOURCE = (
 
 #: the engine's host time on every GPU profile (the same host CPU assumed)
 _HOST = HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S, HOST_PER_BLOCK_S,
-                     HOST_PER_LOADED_BLOCK_S, HOST_NO_FORWARD_STEP_S)
+                     HOST_PER_LOADED_BLOCK_S, HOST_NO_FORWARD_STEP_S, HOST_EAGER_LAYER_S)
 
 
 def _pcie5_x16(duplex: float) -> TransferModel:
@@ -1186,6 +1216,7 @@ def roofline_step_model(
     mbu: float = DEFAULT_MBU,
     host: HostOverhead | None = None,
     attention_efficiency: float | None = None,
+    enforce_eager: bool = False,
 ) -> RooflineStepModel:
     """The roofline step model of one worker of ``tensor_parallel`` GPUs.
 
@@ -1207,6 +1238,9 @@ def roofline_step_model(
         attention_efficiency: fraction of dense BF16 peak the attention kernels reach on
             the pairs of attention groups, in (0, 1] (mamba groups: ``mfu``); default:
             the GPU profile's measured figure, else :data:`DEFAULT_ATTENTION_EFFICIENCY`.
+        enforce_eager: vLLM's ``enforce_eager``: no CUDA graph replays a forward pass, which
+            then takes at least the model's decoder layers (those of ``param_groups``, on
+            every worker) times the host's ``eager_layer_s`` (:attr:`RooflineStepModel.launch_s`).
 
     Raises:
         ValueError: bad ``tensor_parallel``, ``mfu``, ``mbu`` or ``attention_efficiency``; a parameter count
@@ -1245,6 +1279,10 @@ def roofline_step_model(
             pair_rates.append(gpu.dense_bf16_flops * attention_efficiency)
         pair_flops.append(f / tp)
     expert_bytes = shape.routed_expert_bytes(pgroups)
+    host = gpu.host if host is None else host
+    launch = 0.0
+    if enforce_eager:
+        launch = sum(g.shape.layers if g.shape is not None else 1 for g in pgroups) * host.eager_layer_s
     return RooflineStepModel(
         token_flops=2.0 * max(body, 0) / tp,
         sample_flops=2.0 * emb / tp,
@@ -1252,11 +1290,12 @@ def roofline_step_model(
         weight_bytes=shape.total_weight_bytes(pgroups) / tp,
         flops_per_s=gpu.dense_bf16_flops * mfu,
         bytes_per_s=gpu.hbm_bandwidth_bytes_per_s * mbu,
-        host=gpu.host if host is None else host,
+        host=host,
         pair_flops_per_s=tuple(pair_rates),
         expert_bytes=expert_bytes / tp,
         expert_idle=1.0 - shape.experts_per_token / shape.experts if expert_bytes else 0.0,
         token_rate_curve=tuple((t, gpu.dense_bf16_flops * e) for t, e in curve),
+        launch_s=launch,
     )
 
 

@@ -357,3 +357,15 @@ def test_local_hit_without_prefix_caching_is_refused(tmp_path: Path,
     code, _, err = run(["check", str(f)], capsys)
     assert code == 2
     assert err.count("\n") == 1 and "gpu_computed_tokens" in err and "prefix_caching" in err
+
+
+@pytest.mark.parametrize("step", ['"zero"', "{overhead_s = 0.001}"])
+def test_enforce_eager_without_the_roofline_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       step: str) -> None:
+    # the launch floor counts the model's decoder layers: a step table or "zero" has none
+    f = write(tmp_path, TINY + f"[costs]\nenforce_eager = true\nstep = {step}\n")
+    out = tmp_path / "out"
+    code, _, err = run(["run", str(f), "--out", str(out), "-q"], capsys)
+    assert code == 2
+    one_line(err, f"kvsim: error: {f}:costs.enforce_eager: ", 'costs.step = "auto"')
+    assert not out.exists()

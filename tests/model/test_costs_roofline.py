@@ -473,3 +473,58 @@ def test_scenario_mfu_replaces_the_curve() -> None:
     assert isinstance(fixed, RooflineStepModel) and fixed.token_rate_curve == ()
     assert fixed.flops_per_s == GPU_PROFILES["h200"].dense_bf16_flops * 0.42
     assert run.resolved()["hardware"]["mfu"] == 0.42
+
+
+def test_eager_passes_take_at_least_their_layers_launches() -> None:
+    """``enforce_eager``: a forward pass takes the longer of its GPU time and the host's
+    launches, decoder layers x ``eager_layer_s`` (Llama 3.1 8B: 32 x 0.75 ms); a batch-1
+    decode step is launch-bound, a long prefill chunk still compute-bound, and with graphs
+    (the default) nothing changes."""
+    graphs, _ = llama8b("h100")
+    mf = load_model_file(scenarios_dir() / "models" / "llama-3.1-8b.toml")
+    eager = step_model_for("h100", "llama-3.1-8b", enforce_eager=True)
+    assert graphs.launch_s == 0.0
+    assert sum(g.layers for g in mf.groups) == 32
+    assert eager.launch_s == pytest.approx(32 * 0.75e-3, rel=1e-12)
+    assert eager.launch_s == pytest.approx(32 * GPU_PROFILES["h100"].host.eager_layer_s, rel=1e-12)
+    one = StepLoad(decode_seqs=1, requests=1, kv_read_bytes=1000 * 131_072, pairs=(1000,))
+    assert max(graphs.compute_s(one), graphs.memory_s(one)) < eager.launch_s
+    assert eager.time(one) == pytest.approx(1.4e-3 + 15e-6 + 32 * 0.75e-3, rel=1e-12)
+    assert graphs.time(one) == pytest.approx(1.4e-3 + 15e-6 + graphs.memory_s(one), rel=1e-12)
+    big = StepLoad(prefill_tokens=8192, requests=1, kv_read_bytes=8192 * 131_072, pairs=(8192 * 8193 // 2,))
+    assert graphs.compute_s(big) > eager.launch_s
+    assert eager.time(big) == graphs.time(big)
+    # tensor parallelism divides the GPU time, not the launches: every worker launches every layer
+    tp4 = step_model_for("h100", "llama-3.1-8b", tensor_parallel=4, enforce_eager=True)
+    assert tp4.launch_s == eager.launch_s
+
+
+def test_a_hybrid_models_launches_count_every_decoder_layer() -> None:
+    """The layer count is the model's own (every group's layers; a borrowed cost profile's
+    when the model has one): gpt-oss-120b's 18 full and 18 sliding-window layers are 36."""
+    eager = step_model_for("h200", "gpt-oss-120b", enforce_eager=True)
+    mf = load_model_file(scenarios_dir() / "models" / "gpt-oss-120b.toml")
+    assert len(mf.groups) >= 2
+    layers = sum(g.layers for g in mf.groups)
+    assert layers == 36
+    assert eager.launch_s == pytest.approx(layers * 0.75e-3, rel=1e-12)
+
+
+def test_scenario_enforce_eager_and_its_host_figure() -> None:
+    """``costs.enforce_eager`` gives the roofline its launch floor with the hardware's
+    ``host_eager_layer_s`` (a run may set it); off, the resolved scenario names neither, so
+    earlier resolved scenarios (and their digests) are unchanged."""
+    default = scenarios_dir() / "default.toml"
+    off = load_run(default, [])
+    assert isinstance(off.step_cost, RooflineStepModel) and off.step_cost.launch_s == 0.0
+    assert "enforce_eager" not in off.resolved()["costs"]
+    assert "host_eager_layer_s" not in off.resolved()["hardware"]
+    run = load_run(default, ["costs.enforce_eager=true", "hardware.host_eager_layer_s=0.0005"])
+    step = run.step_cost
+    assert isinstance(step, RooflineStepModel)
+    layers = sum(g.layers for g in run.model.cost_groups)
+    assert step.launch_s == pytest.approx(layers * 0.0005, rel=1e-12)
+    res = run.resolved()
+    assert res["costs"]["enforce_eager"] is True and res["hardware"]["host_eager_layer_s"] == 0.0005
+    again = load_run(default, ["costs.enforce_eager=true"])
+    assert again.resolved()["hardware"]["host_eager_layer_s"] == GPU_PROFILES["h200"].host.eager_layer_s
