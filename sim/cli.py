@@ -54,7 +54,7 @@ from sim.io.traces import (
 )
 from sim.io.validate import validate_file
 from sim.io.workload import request_total
-from sim.tools.calibrate import DEFAULT_FIT, FIT_KEYS
+from sim.tools.calibrate import DEFAULT_FIT, EAGER_FIT, FIT_KEYS
 from sim.tools.compare import compare_runs, compare_table
 from sim.tools.export import FORMATS as EXPORT_FORMATS
 from sim.tools.export import export_folder
@@ -388,9 +388,10 @@ def add_calibrate_parser(sub: Any) -> None:
     p.add_argument("--metrics", metavar="FILE",
                    help="--from-run: vLLM's Prometheus /metrics text after the run: also fit the H2D and "
                         "D2H bandwidths from the offloading counters")
-    p.add_argument("--fit", metavar="KEYS", default=",".join(DEFAULT_FIT),
+    p.add_argument("--fit", metavar="KEYS",
                    help=f"--from-run: the coefficients fitted, of {','.join(FIT_KEYS)} (the others keep "
-                        "the profile's; default %(default)s)")
+                        f"the profile's; default {','.join(DEFAULT_FIT)}, and {EAGER_FIT} when the scenario "
+                        "sets costs.enforce_eager)")
     p.add_argument("--overwrite", action="store_true", help="--from-run: replace an existing --out")
     add_override_options(p, "a key of --scenario", seed=False)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to copy")
@@ -408,7 +409,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return _cmd_calibrate_run(args)
     given = [f"--{o}" for o in ("scenario", "trace", "metrics") if getattr(args, o) is not None]
     given += ["--set"] * bool(args.overrides) + ["--overwrite"] * args.overwrite
-    given += ["--fit"] * (args.fit != ",".join(DEFAULT_FIT))
+    given += ["--fit"] * (args.fit is not None)
     if given:
         raise InputError("argument", given[0], "only with --from-run", "--from-run RESULTS")
     try:
@@ -469,9 +470,12 @@ def _cmd_calibrate_run(args: argparse.Namespace) -> int:
     if args.scenario is None:
         raise InputError("argument", "--scenario", "missing (--from-run needs it)",
                          "the run/1 scenario of the served model, hardware and scheduler")
-    keys = [k.strip() for k in args.fit.split(",") if k.strip()]
-    if not keys or any(k not in cal.FIT_KEYS for k in keys) or len(set(keys)) != len(keys):
-        raise InputError("argument", "--fit", f"{args.fit!r}", f"distinct keys of {','.join(cal.FIT_KEYS)}")
+    keys: list[str] | None = None
+    if args.fit is not None:
+        keys = [k.strip() for k in args.fit.split(",") if k.strip()]
+        if not keys or any(k not in cal.FIT_KEYS for k in keys) or len(set(keys)) != len(keys):
+            raise InputError("argument", "--fit", f"{args.fit!r}",
+                             f"distinct keys of {','.join(cal.FIT_KEYS)}")
     results = Path(args.from_run)
     out = Path(args.out) if args.out else \
         results.with_name(results.name.removesuffix(".json") + ".hardware.toml")
@@ -484,7 +488,7 @@ def _cmd_calibrate_run(args: argparse.Namespace) -> int:
     metrics = cal.read_metrics(Path(args.metrics)) if args.metrics else None
     overrides = list(args.overrides or []) + (_trace_overrides(args.trace) if args.trace else [])
     spec = load_run(Path(args.scenario), overrides)
-    fit = cal.calibrate_from_run(spec, run, metrics, keys)
+    fit = cal.calibrate_from_run(spec, run, metrics, keys)   # None: cal.default_fit(spec)
     print(cal.report_table(fit))
     command = ("kvsim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"]
                else "kvsim calibrate --from-run")
@@ -494,7 +498,8 @@ def _cmd_calibrate_run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise InputError("argument", "--out", f"{out}: {exc.strerror or exc}",
                          "a writable file path") from None
-    print(f"kvsim: wrote {out} (tolerance on generated runs: {cal.tolerance_line()})", file=sys.stderr)
+    eager = spec.scenario.costs.enforce_eager
+    print(f"kvsim: wrote {out} (tolerance on generated runs: {cal.tolerance_line(eager)})", file=sys.stderr)
     for d, lf in fit.links.items():
         if lf.bandwidth_bytes_per_s is None:
             why = ("no bytes counted" if lf.totals.bytes == 0 else

@@ -57,7 +57,14 @@ What a run can identify (and what it cannot)
     prompt length, one concurrency, or only decode steps, terms trade off:
     :attr:`StepFit.stderr` gives each coefficient's standard error from the
     last round's linearisation, and ``--fit`` fixes the others at the
-    profile's values. The link: the totals give one equation per direction,
+    profile's values. An eager run (``costs.enforce_eager``) adds the launch
+    time per layer, ``host_eager_layer_s``: a launch-bound pass costs
+    ``host_step_s + layers x host_eager_layer_s`` whatever its batch, so those
+    two trade off exactly and neither moves with ``mbu``; its default fit is
+    ``mfu`` and ``host_eager_layer_s`` (:data:`DEFAULT_EAGER_FIT`), the launches
+    starting from the run's median inter-token latency (the profile's figure
+    may sit where the linearised fit drops the launches to 0, from where their
+    column is empty). The link: the totals give one equation per direction,
     so the per-job latency and the per-copy overhead stay the profile's and
     only the bandwidth is solved; the seconds vLLM measures include any
     slowdown from the other direction copying at the same time, so the
@@ -78,7 +85,8 @@ Tolerance (stated by the command, tested)
     (:func:`synthetic_run`) with 3 % multiplicative noise on every TTFT and
     inter-token latency, each coefficient of the default fit is within
     :data:`TOLERANCE` (relative) of the truth and each link bandwidth within
-    :data:`LINK_TOLERANCE` (``tests/tools/test_calibrate_run.py``);
+    :data:`LINK_TOLERANCE` (``tests/tools/test_calibrate_run.py``); for an eager
+    run whose decode passes are launch-bound, :data:`EAGER_TOLERANCE`;
     :func:`tolerance_line` says so in one line.
 """
 
@@ -111,7 +119,10 @@ from sim.model.costs import (
 from sim.model.request import Request
 
 __all__ = [
+    "DEFAULT_EAGER_FIT",
     "DEFAULT_FIT",
+    "EAGER_FIT",
+    "EAGER_TOLERANCE",
     "FIT_KEYS",
     "LINK_TOLERANCE",
     "MAX_ROUNDS",
@@ -122,6 +133,7 @@ __all__ = [
     "RunFit",
     "StepFit",
     "calibrate_from_run",
+    "default_fit",
     "fit_link",
     "hardware_profile",
     "match_run",
@@ -133,10 +145,23 @@ __all__ = [
 ]
 
 #: The step coefficients a run can fit, in the order of the least-squares unknowns.
-FIT_KEYS = ("host_step_s", "host_per_request_s", "mfu", "mbu")
+FIT_KEYS = ("host_step_s", "host_per_request_s", "mfu", "mbu", "host_eager_layer_s")
 #: Fitted unless ``--fit`` says otherwise: the host time per request is the weakest identified
 #: and keeps its measured figure (docs/costs.md, "The engine's own time").
 DEFAULT_FIT = ("mfu", "mbu", "host_step_s")
+#: The launch time per layer of an eager run (``costs.enforce_eager``): its launch-bound passes
+#: identify it; in a run with CUDA graphs it moves nothing and cannot be fitted.
+EAGER_FIT = "host_eager_layer_s"
+#: Fitted unless ``--fit`` says otherwise in an eager run: a launch-bound pass costs
+#: ``host_step_s + layers x host_eager_layer_s``, the two cannot be told apart (the host's step
+#: time is held), and such passes do not depend on ``mbu`` (held).
+DEFAULT_EAGER_FIT = ("mfu", EAGER_FIT)
+
+
+def default_fit(spec: RunSpec) -> tuple[str, ...]:
+    """The keys fitted when ``--fit`` is not given: :data:`DEFAULT_EAGER_FIT` for a scenario
+    that runs eager, else :data:`DEFAULT_FIT`."""
+    return DEFAULT_EAGER_FIT if spec.scenario.costs.enforce_eager else DEFAULT_FIT
 #: Relative error within which the default fit recovers each coefficient of a generated run
 #: (``tests/tools/test_calibrate_run.py``: 64 requests, 3 % noise on every TTFT and ITL; over
 #: seven seeds of the trace and the noise the worst were 0.6 %, 7.4 % and 22 %: mbu and
@@ -144,6 +169,12 @@ DEFAULT_FIT = ("mfu", "mbu", "host_step_s")
 #: none: at the concurrency of such a run it is not identified (errors of 16-80 %), hence held
 #: by default.
 TOLERANCE = {"mfu": 0.02, "mbu": 0.10, "host_step_s": 0.30}
+#: The same for the default fit of an eager run whose decode passes are launch-bound: ``mfu``, and
+#: the launch-bound pass ``host_step_s + layers x host_eager_layer_s`` (host_eager_layer_s alone is
+#: off by host_step_s's own error over the layers; tests/tools/test_calibrate_run.py, seven traces
+#: and launch times of 0.3-1.0 ms per layer: at most 2.1 % and 0.3 %). Where the passes are
+#: memory-bound instead (0.2 ms per layer there) the launches are not identified.
+EAGER_TOLERANCE = {"mfu": 0.03, "eager_pass_s": 0.01}
 #: Relative error within which each link bandwidth is recovered (the counters' totals are exact).
 LINK_TOLERANCE = 0.01
 #: Replay-and-fit rounds at most.
@@ -472,7 +503,8 @@ class Replay:
     """One replay: per request (in the replayed order) arrival, when the scheduler saw it
     (after the engine core hashed its prompt), first token and finish; per computed step
     its end, time, scheduled requests, FLOPs, bytes and the scheduler's per-block time
-    (held, not fitted)."""
+    (held, not fitted); the decoder layers whose launches bound an eager pass (0: the run
+    replays CUDA graphs)."""
 
     arrival: np.ndarray
     seen: np.ndarray
@@ -484,9 +516,11 @@ class Replay:
     flops: np.ndarray
     nbytes: np.ndarray
     sched: np.ndarray
+    layers: float = 0.0
 
 
-def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Request]) -> Replay:
+def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Request],
+            layers: float = 0.0) -> Replay:
     rec_model = _Recording(model)
     c = dataclasses.replace(cfg, step_cost=rec_model, fast_forward=False)
     sink = MemorySink()
@@ -514,7 +548,7 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     return Replay(col("arrival_s"), np.array(seen, dtype=float), col("first_token_s"), col("finish_s"),
                   np.array(ends, dtype=float),
                   np.array(rec_model.times, dtype=float), np.array([x.requests for x in loads], dtype=float),
-                  flops, nbytes, np.array([model.scheduler_s(x) for x in loads], dtype=float))
+                  flops, nbytes, np.array([model.scheduler_s(x) for x in loads], dtype=float), layers)
 
 
 def _window_rows(rp: Replay, phi: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -591,20 +625,40 @@ def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
         param_groups=[group_spec(g, 1) for g in spec.model.cost_groups],
         tensor_parallel=spec.scenario.costs.tensor_parallel, mfu=min(1.0, v["mfu"]), mbu=min(1.0, v["mbu"]),
         host=dataclasses.replace(spec.hardware.host(), step_s=v["host_step_s"],
-                                 per_request_s=v["host_per_request_s"]))
+                                 per_request_s=v["host_per_request_s"],
+                                 eager_layer_s=v["host_eager_layer_s"]),
+        enforce_eager=spec.scenario.costs.enforce_eager)
+
+
+def _eager_layers(spec: RunSpec) -> float:
+    """The decoder layers an eager pass launches (the step model's count), 0 with CUDA graphs."""
+    if not spec.scenario.costs.enforce_eager:
+        return 0.0
+    return float(sum(g.layers for g in spec.model.cost_groups))
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:
     g = spec.hardware.gpu_profile
     return np.array([v["host_step_s"], v["host_per_request_s"], 1.0 / (g.dense_bf16_flops * v["mfu"]),
-                     1.0 / (g.hbm_bandwidth_bytes_per_s * v["mbu"])])
+                     1.0 / (g.hbm_bandwidth_bytes_per_s * v["mbu"]), v["host_eager_layer_s"]])
 
 
 def _from_unknowns(spec: RunSpec, x: np.ndarray) -> dict[str, float]:
     g = spec.hardware.gpu_profile
     return {"host_step_s": float(x[0]), "host_per_request_s": float(x[1]),
             "mfu": float(1.0 / (g.dense_bf16_flops * x[2])),
-            "mbu": float(1.0 / (g.hbm_bandwidth_bytes_per_s * x[3]))}
+            "mbu": float(1.0 / (g.hbm_bandwidth_bytes_per_s * x[3])),
+            "host_eager_layer_s": float(x[4])}
+
+
+def _regime(x: np.ndarray, rp: Replay) -> np.ndarray:
+    """Per step which roof bounds its forward pass under the unknowns ``x``: 0 compute,
+    1 memory, 2 the eager launches (ties go to compute, then memory, as ``max`` keeps
+    the first)."""
+    compute, memory, launch = x[2] * rp.flops, x[3] * rp.nbytes, x[4] * rp.layers
+    regime: np.ndarray = np.where((compute >= memory) & (compute >= launch), 0,
+                                  np.where(memory >= launch, 1, 2))
+    return regime
 
 
 #: Step halvings tried per round before the fit stops (a step of 2**-7 of the way).
@@ -674,21 +728,22 @@ def _least_squares(rp: Replay, x: np.ndarray, free: np.ndarray, lower: np.ndarra
     roof = x
     cand, a_mat = x, np.zeros((len(y), len(x)))
     for _ in range(20):
-        compute = roof[2] * rp.flops >= roof[3] * rp.nbytes
-        phi = np.column_stack([np.ones_like(rp.n), rp.n, np.where(compute, rp.flops, 0.0),
-                               np.where(compute, 0.0, rp.nbytes)])
+        regime = _regime(roof, rp)
+        phi = np.column_stack([np.ones_like(rp.n), rp.n, np.where(regime == 0, rp.flops, 0.0),
+                               np.where(regime == 1, rp.nbytes, 0.0),
+                               np.where(regime == 2, rp.layers, 0.0)])
         a_mat = _window_rows(rp, phi, w.lo, w.hi) * scale[:, None]
         held = ~free
         cand = x.copy()
         cand[free] = _bounded_lstsq(a_mat[:, free], y - a_mat[:, held] @ x[held], lower[free])
-        if np.array_equal(cand[2] * rp.flops >= cand[3] * rp.nbytes, compute):
+        if np.array_equal(_regime(cand, rp), regime):
             break
         roof = cand
     return cand, a_mat, y
 
 
 def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequence[Request],
-              index: Sequence[int], fit: Sequence[str] = FIT_KEYS) -> tuple[StepFit, Replay]:
+              index: Sequence[int], fit: Sequence[str] | None = None) -> tuple[StepFit, Replay]:
     """Fit the step coefficients ``fit`` (the others held at the profile's) to the run.
 
     Args:
@@ -697,7 +752,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         run: the measured run.
         requests: the requests to replay (:func:`match_run`), in arrival order.
         index: each request's position in the run.
-        fit: the keys of :data:`FIT_KEYS` to fit.
+        fit: the keys of :data:`FIT_KEYS` to fit (default: :func:`default_fit`).
 
     Returns:
         The fit and the replay with the fitted coefficients.
@@ -705,21 +760,37 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
     Raises:
         InputError: a successful request with a TTFT of 0.
     """
+    if fit is None:
+        fit = default_fit(spec)
     hw = spec.hardware
     g = hw.gpu_profile
     # the fit models the matmuls with one constant efficiency: the scenario's, else the
     # profile's large-step figure (the last point of its measured curve), else the default
     mfu = hw.mfu if hw.mfu is not None else g.large_step_mfu
     start = {"host_step_s": hw.host_step_s, "host_per_request_s": hw.host_per_request_s,
-             "mfu": mfu, "mbu": hw.mbu}
+             "mfu": mfu, "mbu": hw.mbu, "host_eager_layer_s": hw.host_eager_layer_s}
+    layers = _eager_layers(spec)
+    if EAGER_FIT in fit and not layers:
+        raise InputError("argument", "--fit", f"{EAGER_FIT}: the scenario's passes replay CUDA graphs, so no "
+                         "time of the run depends on it", "a scenario with costs.enforce_eager = true, or "
+                         f"--fit without {EAGER_FIT}")
+    if EAGER_FIT in fit:
+        # start from what the run's own decode says (most of its passes are launch-bound): the
+        # median inter-token latency less the host's step time, per layer. From the profile's
+        # figure the linearised fit can drop the launches to 0, where their column vanishes.
+        itls = [t for i in index for t in run.itls[i]]
+        per_layer = ((float(np.median(itls)) - hw.host_step_s - hw.host_per_request_s) / layers
+                     if itls else 0.0)
+        if per_layer > 0:
+            start[EAGER_FIT] = per_layer
     for i in index:
         if run.ttfts[i] <= 0:
             raise InputError(run.source, f"ttfts[{i}]", "0 s for a successful request", "a TTFT > 0")
-    lower = np.array([0.0, 0.0, 1.0 / g.dense_bf16_flops, 1.0 / g.hbm_bandwidth_bytes_per_s])
+    lower = np.array([0.0, 0.0, 1.0 / g.dense_bf16_flops, 1.0 / g.hbm_bandwidth_bytes_per_s, 0.0])
     free = np.array([k in fit for k in FIT_KEYS])
     v = dict(start)
     x = _to_unknowns(spec, v)
-    rp = _replay(cfg, _model(spec, v), requests)
+    rp = _replay(cfg, _model(spec, v), requests, layers)
     cost = _cost(rp, run, index)
     converged = False
     rounds = 0
@@ -731,7 +802,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         for _ in range(_HALVINGS):
             x_try = x + t * (target - x)
             v_try = _from_unknowns(spec, x_try)
-            rp_try = _replay(cfg, _model(spec, v_try), requests)
+            rp_try = _replay(cfg, _model(spec, v_try), requests, layers)
             cost_try = _cost(rp_try, run, index)
             if cost_try < cost:
                 accepted = True
@@ -743,7 +814,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
             x_try = target
             for _ in range(_ESCAPES):
                 v_try = _from_unknowns(spec, x_try)
-                rp_try = _replay(cfg, _model(spec, v_try), requests)
+                rp_try = _replay(cfg, _model(spec, v_try), requests, layers)
                 cost_try = _cost(rp_try, run, index)
                 if cost_try < cost:
                     accepted = True
@@ -809,7 +880,7 @@ def _tpots(first: np.ndarray, finish: np.ndarray, outs: np.ndarray) -> list[floa
 
 
 def calibrate_from_run(spec: RunSpec, run: BenchRun, metrics: dict[str, OffloadTotals] | None = None,
-                       fit: Sequence[str] = FIT_KEYS) -> RunFit:
+                       fit: Sequence[str] | None = None) -> RunFit:
     """Fit the spec's step (and, with metrics, link) coefficients to the run.
 
     Raises:
@@ -851,8 +922,12 @@ def calibrate_from_run(spec: RunSpec, run: BenchRun, metrics: dict[str, OffloadT
     return RunFit(steps, links, m, len(requests), len(run.ok) - len(requests))
 
 
-def tolerance_line() -> str:
-    """The tested tolerance, in words (the command prints it)."""
+def tolerance_line(eager: bool = False) -> str:
+    """The tested tolerance, in words (the command prints it); ``eager``: an eager run's."""
+    if eager:
+        return (f"mfu {EAGER_TOLERANCE['mfu']:.0%}, the launch-bound pass (host_step_s + layers x "
+                f"host_eager_layer_s) {EAGER_TOLERANCE['eager_pass_s']:.0%}; link bandwidths "
+                f"{LINK_TOLERANCE:.0%}; docs/costs.md")
     keys = ", ".join(f"{k} {t:.0%}" for k, t in TOLERANCE.items())
     return f"{keys}; link bandwidths {LINK_TOLERANCE:.0%}; docs/costs.md"
 

@@ -25,6 +25,7 @@ from sim.errors import InputError
 from sim.io.scenario import load_run
 from sim.model.costs import GPU_PROFILES, RooflineStepModel
 from sim.tools.calibrate import (
+    EAGER_TOLERANCE,
     LINK_TOLERANCE,
     TOLERANCE,
     match_run,
@@ -312,3 +313,53 @@ def test_a_gpu_not_shipped_is_fitted_against_its_own_peak_and_keeps_its_figures(
     assert spec.step_cost.flops_per_s == pytest.approx(362e12 * fitted["mfu"])
     code, out, _ = run_cli(["validate", str(tmp_path / "fit.toml")])
     assert code == 0 and "gpu l40s-like: 362 TFLOPS, 0.864 TB/s" in out
+
+
+#: an eager run's truth: 0.5 ms of launches per layer (32 layers: 16 ms a pass, beside 6.8 ms of
+#: weight reads at mbu 0.71, so its decode passes are launch-bound)
+EAGER_TRUTH = {**TRUTH, "host_eager_layer_s": 0.5e-3}
+
+
+@pytest.fixture(scope="module")
+def eager_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("calib-eager")
+    write_trace(d / "trace.jsonl")
+    (d / "scenario.toml").write_text(SCENARIO + "[costs]\nenforce_eager = true\n")
+    truth = [f"hardware.{k}={v!r}" for k, v in {**EAGER_TRUTH, **TRUTH_LINK}.items()]
+    result, _ = synthetic_run(load_run(d / "scenario.toml", truth), noise=0.03, seed=1)
+    (d / "results.json").write_text(json.dumps(result))
+    code, out, err = run_cli(["calibrate", "--from-run", str(d / "results.json"), "--scenario",
+                              str(d / "scenario.toml"), "--out", str(d / "fitted.toml")])
+    return {"dir": d, "code": code, "out": out, "err": err, "result": result}
+
+
+def test_an_eager_run_fits_its_launches_within_the_stated_tolerance(eager_world: dict[str, Any]):
+    """The default fit of an eager run is mfu and the launches per layer, the host's step time and
+    mbu held at the profile's (1.4 ms, 0.8; the truth 2.2 ms, 0.71): the launch-bound pass
+    ``host_step_s + 32 x host_eager_layer_s`` comes back within 1 %, the launches themselves off
+    by the held step time's error over the 32 layers."""
+    assert eager_world["code"] == 0, eager_world["err"]
+    hw = tomllib.loads((eager_world["dir"] / "fitted.toml").read_text())
+    h100 = GPU_PROFILES["h100"].host
+    assert (hw["host_step_s"], hw["mbu"]) == (h100.step_s, 0.8)    # held
+    assert abs(hw["mfu"] - EAGER_TRUTH["mfu"]) <= EAGER_TOLERANCE["mfu"] * EAGER_TRUTH["mfu"]
+    fitted = hw["host_step_s"] + 32 * hw["host_eager_layer_s"]
+    true = EAGER_TRUTH["host_step_s"] + 32 * EAGER_TRUTH["host_eager_layer_s"]
+    assert abs(fitted / true - 1) <= EAGER_TOLERANCE["eager_pass_s"], (fitted, true)
+    offset = (EAGER_TRUTH["host_step_s"] - h100.step_s) / 32
+    assert hw["host_eager_layer_s"] == pytest.approx(EAGER_TRUTH["host_eager_layer_s"] + offset, rel=0.02)
+    assert "# fitted" in next(x for x in (eager_world["dir"] / "fitted.toml").read_text().splitlines()
+                              if x.startswith("host_eager_layer_s"))
+    assert f"tolerance on generated runs: {tolerance_line(eager=True)}" in eager_world["err"]
+    # the fitted profile, named by the eager scenario, gives its passes their launches
+    spec = load_run(eager_world["dir"] / "scenario.toml", ['hardware.profile="fitted.toml"'])
+    assert isinstance(spec.step_cost, RooflineStepModel)
+    assert spec.step_cost.launch_s == pytest.approx(32 * hw["host_eager_layer_s"])
+
+
+def test_the_launches_of_a_run_with_cuda_graphs_cannot_be_fitted(world: dict[str, Any], tmp_path: Path):
+    # no time of a run whose passes replay CUDA graphs depends on them: one line, nothing written
+    code, err, profile = _bad(world, tmp_path, extra=("--fit", "mfu,host_eager_layer_s"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--fit: host_eager_layer_s" in err and "costs.enforce_eager = true" in err, err
+    assert not profile.exists()
