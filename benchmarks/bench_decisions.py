@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.cli import main as cli_main
 from sim.io.check import (
     CheckCase,
@@ -194,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)

@@ -54,11 +54,13 @@ import sys
 import time
 from pathlib import Path
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim import _native
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
 from sim.errors import InputError
 from sim.io.scenario import load_run
+from sim.tools.run import child_preexec
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RPS = 6000.0
@@ -166,7 +168,8 @@ def _run_child(case: str, accounting: str, limit: int | None, profile: bool = Fa
     if profile:
         cmd.append("--profile")
         env["KVSIM_PURE"] = "1"   # cProfile sees no function inside a compiled module: profile the source
-    proc = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, env=env)
+    proc = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, env=env,
+                          preexec_fn=child_preexec)
     out = proc.stdout.strip().splitlines()
     return json.loads(out[-1]), "\n".join(out[:-1])
 
@@ -237,4 +240,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.io.traces import resolve_trace
 from sim.model import gpu_fast
@@ -259,4 +260,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)

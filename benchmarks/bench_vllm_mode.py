@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import sim.startup  # noqa: E402 -- first: a signal during the heavy imports below ends in one line
+from sim.tools.run import child_preexec  # noqa: E402 -- after the path set-up, as the child's imports
+
 MODES = {"model": ['decisions="model"'],
          "model-stepwise": ['decisions="model"', "scheduler.fast_forward=false"],
          "vllm": ['decisions="vllm"']}
@@ -81,7 +84,7 @@ def main() -> int:
     rows = []
     for mode in args.mode or ["model", "model-stepwise", "vllm"]:
         out = subprocess.run([sys.executable, __file__, "--child", mode, "--limit", str(args.limit)],
-                             capture_output=True, text=True, check=False)
+                             capture_output=True, text=True, check=False, preexec_fn=child_preexec)
         if out.returncode != 0:
             print(f"{mode}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
             return 1
@@ -98,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sim.startup.run_script(main)

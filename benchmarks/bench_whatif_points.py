@@ -35,6 +35,7 @@ from pathlib import Path
 
 import tomli_w
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.io.traces import resolve_trace
 
@@ -145,8 +146,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:   # the runs got the signal too; the worktree is removed on the way out
-        print("bench_whatif_points: interrupted", file=sys.stderr)
-        sys.exit(130)
+    sim.startup.run_script(main)

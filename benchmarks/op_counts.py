@@ -37,10 +37,12 @@ os.environ["KVSIM_PURE"] = "1"   # count in the sources (compiled methods cannot
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
 from sim.io.scenario import load_run
 from sim.model import cpu_cache, gpu_fast, scheduler
+from sim.tools.run import child_preexec
 
 TARGET_RPS = bench_engine.TARGET_RPS
 FLOOR_RPS = 1000.0
@@ -144,7 +146,8 @@ def _timed(case: str, limit: int | None) -> dict[str, object]:
     cmd = [sys.executable, bench_engine.__file__, "--child", case, "--accounting", "fast"]
     if limit:
         cmd += ["--limit", str(limit)]
-    out = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, env=env).stdout
+    out = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, env=env,
+                         preexec_fn=child_preexec).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
@@ -186,4 +189,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)

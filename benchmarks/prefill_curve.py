@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
 from sim.model.costs import GPU_PROFILES, StepLoad, attention_pairs, chunked_prefill_time, group_span
@@ -88,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sim.startup.run_script(main)

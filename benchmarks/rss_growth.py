@@ -46,9 +46,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.engine.loop import simulate
 from sim.engine.metrics import Recorder
 from sim.io.scenario import load_run
+from sim.tools.run import child_preexec
 
 BOUND = 0.10   # the allowance: whole-trace peak within 10 % of the short run's
 
@@ -103,7 +105,7 @@ def _run_child(case: str, limit: int | None, snapshot_path: str | None = None) -
         cmd += ["--limit", str(limit)]
     if snapshot_path:
         cmd += ["--snapshot", snapshot_path]
-    proc = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE)
+    proc = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, preexec_fn=child_preexec)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -156,9 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:   # the child runs got the signal too; the temporary folder goes with the stack
-        if "--child" not in sys.argv:
-            print("rss_growth: interrupted", file=sys.stderr)
-        sys.exit(130)
+    sim.startup.run_script(main)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.io.scenario import group_spec, load_model_file, scenarios_dir, step_model_for
 from sim.model.costs import GPU_PROFILES, RooflineStepModel, chunked_prefill_time
 from sim.model.layout import Layout
@@ -65,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.io.results import read_json
 from sim.tools.sweep import load_sweep
@@ -97,4 +98,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sim.startup.run_script(main)

@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sim
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 import sim.tools.plots as plots
 from sim.errors import InputError
 
@@ -130,4 +131,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sim.startup.run_script(main)

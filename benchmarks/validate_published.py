@@ -23,9 +23,9 @@ Usage: python benchmarks/validate_published.py [--cases FILE] [--only ID ...] [-
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim.errors import InputError
 from sim.tools.validation import TOLERANCE, ValidationFile, load_cases, replay, throughput_and_hits, ttft_pair
 
@@ -130,4 +130,4 @@ def curves(vf: ValidationFile, base: Path, requests: int | None, mfu: float | No
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sim.startup.run_script(main)

@@ -86,7 +86,33 @@ def test_rss_growth_script_ends_on_ctrl_c_with_one_line():
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
-    assert err.strip().splitlines() == ["rss_growth: interrupted"], err
+    assert err.strip().splitlines() == ["rss_growth: interrupted (SIGINT)"], err
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)   # the group is gone: no child outlived the script
+
+
+@pytest.mark.parametrize("delay", [0.4, 1.5])
+def test_bench_engine_ends_on_ctrl_c_with_one_line(delay: float):
+    """Ctrl-C to the process group while the script imports (0.4 s) or while a timed child runs
+    (1.5 s): one line, exit 130, no child left. The children ignore SIGINT (a Ctrl-C landing in
+    a child's import once printed "Exception ignored" and a traceback) and are killed by the
+    script on its way out."""
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--case", "default",
+           "--limit", "300", "--repeat", "3", "--profile-limit", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    lines = err.strip().splitlines()
+    one = "bench_engine: interrupted (SIGINT)"
+    assert len(lines) == 1 and lines[0] in (one, f"{one} while starting; nothing written"), err
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)

@@ -50,8 +50,8 @@ from sim.io.workload import Request
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-__all__ = ["Interrupted", "RunOutcome", "execute", "interruptible", "owned", "pool_map", "signal_name",
-           "signal_of", "stop_pool", "worker_init"]
+__all__ = ["Interrupted", "RunOutcome", "child_preexec", "execute", "interruptible", "owned", "pool_map",
+           "signal_name", "signal_of", "stop_pool", "worker_init"]
 
 
 # -- signals and worker processes --------------------------------------------------------
@@ -133,6 +133,22 @@ def worker_init(parent_pid: int) -> None:
     if os.getppid() != parent_pid:  # the parent died before prctl
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="kvsim-parent-watch", daemon=True).start()
+
+
+def child_preexec() -> None:
+    """``preexec_fn`` of a child process its parent ends (a benchmark's timed run of a fresh
+    interpreter): Ctrl-C is left to the parent, and the child dies with it.
+
+    SIGINT is ignored from the child's first instruction (an interpreter that starts with
+    SIGINT ignored leaves it so), so a Ctrl-C to the process group cannot raise in the child
+    at a point where Python only prints "Exception ignored" and goes on; the parent's
+    ``subprocess.run`` kills the child as the interrupt unwinds it. On Linux the kernel also
+    kills the child when the parent dies (``PR_SET_PDEATHSIG``).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _watch_parent(parent_pid: int) -> None:
