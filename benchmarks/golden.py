@@ -41,6 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import sim.startup  # first: a signal while it starts ends in one line
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "results" / ".golden"
 
@@ -189,4 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sim.startup.run_script(main)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import sim.startup  # first: a signal during the heavy imports below ends in one line
 from tests.tools.test_mooncake_lru import CAPACITIES, engine_lru_hit_ratio, reference_row
 
 
@@ -42,4 +43,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sim.startup.run_script(main)
