@@ -606,6 +606,8 @@ class StepFit:
         rounds: replay-and-fit rounds.
         converged: the last round moved no coefficient by more than 1e-4 of it.
         at_bound: fitted keys that ended at a bound (0, or mfu / mbu = 1).
+        eager: the scenario runs eager (``costs.enforce_eager``): ``host_eager_layer_s``
+            prices its passes; otherwise it is unused (held).
     """
 
     values: dict[str, float]
@@ -615,6 +617,7 @@ class StepFit:
     rounds: int
     converged: bool
     at_bound: tuple[str, ...]
+    eager: bool = False
 
 
 def _model(spec: RunSpec, v: dict[str, float]) -> RooflineStepModel:
@@ -774,6 +777,7 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         raise InputError("argument", "--fit", f"{EAGER_FIT}: the scenario's passes replay CUDA graphs, so no "
                          "time of the run depends on it", "a scenario with costs.enforce_eager = true, or "
                          f"--fit without {EAGER_FIT}")
+    v = dict(start)
     if EAGER_FIT in fit:
         # start from what the run's own decode says (most of its passes are launch-bound): the
         # median inter-token latency less the host's step time, per layer. From the profile's
@@ -782,13 +786,12 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
         per_layer = ((float(np.median(itls)) - hw.host_step_s - hw.host_per_request_s) / layers
                      if itls else 0.0)
         if per_layer > 0:
-            start[EAGER_FIT] = per_layer
+            v[EAGER_FIT] = per_layer
     for i in index:
         if run.ttfts[i] <= 0:
             raise InputError(run.source, f"ttfts[{i}]", "0 s for a successful request", "a TTFT > 0")
     lower = np.array([0.0, 0.0, 1.0 / g.dense_bf16_flops, 1.0 / g.hbm_bandwidth_bytes_per_s, 0.0])
     free = np.array([k in fit for k in FIT_KEYS])
-    v = dict(start)
     x = _to_unknowns(spec, v)
     rp = _replay(cfg, _model(spec, v), requests, layers)
     cost = _cost(rp, run, index)
@@ -849,7 +852,8 @@ def fit_steps(spec: RunSpec, cfg: EngineConfig, run: BenchRun, requests: Sequenc
             stderr[key] = float(se[j])
     at_bound = tuple(k for k in fit if (k in ("mfu", "mbu") and v[k] >= 1.0 - 1e-9) or
                      (k.startswith("host") and v[k] <= 0.0))
-    return StepFit(v, start, tuple(k for k in FIT_KEYS if k in fit), stderr, rounds, converged, at_bound), rp
+    return StepFit(v, start, tuple(k for k in FIT_KEYS if k in fit), stderr, rounds, converged, at_bound,
+                   bool(layers)), rp
 
 
 # -- the whole command ---------------------------------------------------------------------------------
@@ -943,7 +947,8 @@ def report_table(fit: RunFit) -> str:
     s = fit.steps
     lines = [f"{'coefficient':22s} {'profile':>12s} {'fitted':>12s} {'std. error':>12s}"]
     for k in FIT_KEYS:
-        held = "" if k in s.fitted else "  (held)"
+        held = ("" if k in s.fitted else
+                "  (held; unused with CUDA graphs)" if k == EAGER_FIT and not s.eager else "  (held)")
         se = s.stderr.get(k)
         se_txt = "" if se is None else ("n/a" if not math.isfinite(se) else _fmt_value(k, se))
         bound = "  (at its bound)" if k in s.at_bound else ""

@@ -115,6 +115,8 @@ def test_the_default_fit_recovers_the_coefficients_within_the_stated_tolerance(w
 
 def test_the_report_prints_measured_model_and_error_per_metric(world: dict[str, Any]):
     lines = world["out"].splitlines()
+    eager_row = next(x for x in lines if x.startswith("host_eager_layer_s"))
+    assert eager_row.endswith("(held; unused with CUDA graphs)"), eager_row
     for name in ("TTFT p50", "TTFT mean", "TPOT mean", "throughput (tok/s)"):
         row = next(x for x in lines if x.startswith(name))
         err = float(row.split()[-1].rstrip("%"))
@@ -351,6 +353,8 @@ def test_an_eager_run_fits_its_launches_within_the_stated_tolerance(eager_world:
     assert "# fitted" in next(x for x in (eager_world["dir"] / "fitted.toml").read_text().splitlines()
                               if x.startswith("host_eager_layer_s"))
     assert f"tolerance on generated runs: {tolerance_line(eager=True)}" in eager_world["err"]
+    row = next(x for x in eager_world["out"].splitlines() if x.startswith("host_eager_layer_s"))
+    assert row.split()[1:3] == ["750.00", "us"] and "held" not in row, row   # the profile's, then fitted
     # the fitted profile, named by the eager scenario, gives its passes their launches
     spec = load_run(eager_world["dir"] / "scenario.toml", ['hardware.profile="fitted.toml"'])
     assert isinstance(spec.step_cost, RooflineStepModel)
