@@ -158,6 +158,7 @@ __all__ = [
     "attention_pairs",
     "before_loads_s",
     "chunked_prefill_time",
+    "decoder_layers",
     "gpu_profile",
     "group_span",
     "kv_bytes_per_token",
@@ -1205,6 +1206,12 @@ def group_span(spec: GroupSpec) -> int:
     return 0
 
 
+def decoder_layers(groups: Sequence[GroupSpec]) -> int:
+    """The model's decoder layers, every group's (each layer belongs to one group): the
+    layers an eager forward pass launches one by one (:attr:`RooflineStepModel.launch_s`)."""
+    return sum(g.shape.layers if g.shape is not None else 1 for g in groups)
+
+
 def roofline_step_model(
     gpu: GpuProfile,
     shape: ModelShape,
@@ -1280,9 +1287,7 @@ def roofline_step_model(
         pair_flops.append(f / tp)
     expert_bytes = shape.routed_expert_bytes(pgroups)
     host = gpu.host if host is None else host
-    launch = 0.0
-    if enforce_eager:
-        launch = sum(g.shape.layers if g.shape is not None else 1 for g in pgroups) * host.eager_layer_s
+    launch = decoder_layers(pgroups) * host.eager_layer_s if enforce_eager else 0.0
     return RooflineStepModel(
         token_flops=2.0 * max(body, 0) / tp,
         sample_flops=2.0 * emb / tp,

@@ -113,6 +113,7 @@ from sim.model.costs import (
     RooflineStepModel,
     StepLoad,
     TransferModel,
+    decoder_layers,
     pieces_per_block,
     roofline_step_model,
 )
@@ -157,11 +158,6 @@ EAGER_FIT = "host_eager_layer_s"
 #: time is held), and such passes do not depend on ``mbu`` (held).
 DEFAULT_EAGER_FIT = ("mfu", EAGER_FIT)
 
-
-def default_fit(spec: RunSpec) -> tuple[str, ...]:
-    """The keys fitted when ``--fit`` is not given: :data:`DEFAULT_EAGER_FIT` for a scenario
-    that runs eager, else :data:`DEFAULT_FIT`."""
-    return DEFAULT_EAGER_FIT if spec.scenario.costs.enforce_eager else DEFAULT_FIT
 #: Relative error within which the default fit recovers each coefficient of a generated run
 #: (``tests/tools/test_calibrate_run.py``: 64 requests, 3 % noise on every TTFT and ITL; over
 #: seven seeds of the trace and the noise the worst were 0.6 %, 7.4 % and 22 %: mbu and
@@ -185,6 +181,12 @@ INPUT_LEN_TOLERANCE = 0.01
 INPUT_LEN_SLACK = 4
 
 _BENCH_HELP = "the JSON of vllm bench serve --save-result --save-detailed"
+
+
+def default_fit(spec: RunSpec) -> tuple[str, ...]:
+    """The keys fitted when ``--fit`` is not given: :data:`DEFAULT_EAGER_FIT` for a scenario
+    that runs eager, else :data:`DEFAULT_FIT`."""
+    return DEFAULT_EAGER_FIT if spec.scenario.costs.enforce_eager else DEFAULT_FIT
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -637,7 +639,7 @@ def _eager_layers(spec: RunSpec) -> float:
     """The decoder layers an eager pass launches (the step model's count), 0 with CUDA graphs."""
     if not spec.scenario.costs.enforce_eager:
         return 0.0
-    return float(sum(g.layers for g in spec.model.cost_groups))
+    return float(decoder_layers([group_spec(g, 1) for g in spec.model.cost_groups]))
 
 
 def _to_unknowns(spec: RunSpec, v: dict[str, float]) -> np.ndarray:
