@@ -12,10 +12,13 @@ What it models
     Processes
         * *arrivals*: reads the workload lazily and starts one *lifecycle*
           process per request once vLLM's engine core would have it: at its
-          arrival time plus the hashing of its prompt (``prompt_hash_s_per_block``
-          per hash block, the roofline's host figure; requests are
-          hashed one after another, as vLLM's input thread does, so a burst
-          queues; the TTFT counts from the arrival);
+          arrival time plus, for a text prompt (``costs.tokenize``), its
+          tokenization by the OpenAI server (``prompt_tokenize_s_per_token``),
+          plus the hashing of its prompt (``prompt_hash_s_per_block`` per hash
+          block, the roofline's host figure); each stage takes the requests
+          one after another, as vLLM's tokenizer worker and input thread do,
+          so a burst queues (:class:`ArrivalPath`); the TTFT counts from the
+          arrival;
         * *lifecycle* (one per request): hands the request to the scheduler
           (it joins the waiting queue), wakes the engine, and waits for its
           end (finished, rejected, or the run stopped), then writes the
@@ -173,6 +176,9 @@ class EngineConfig(SchedulerConfig):
     #: seconds vLLM's engine core spends hashing a new request's prompt, per hash block,
     #: before the scheduler sees the request (the roofline's ``host.per_hashed_block_s``; 0: none)
     prompt_hash_s_per_block: float = 0.0
+    #: seconds vLLM's OpenAI server spends tokenizing a text prompt, per prompt token, before
+    #: the engine core gets the request (``costs.tokenize``: ``host.tokenize_token_s``; 0: token ids)
+    prompt_tokenize_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpu_blocks < 2:
@@ -208,12 +214,31 @@ class SimulationResult:
     reproducers: list[ReproducerSnapshot] = field(default_factory=list)
 
 
-def prompt_hashed_at(arrival_s: float, busy_until: float, prompt_tokens: int, tokens_per_hash: int,
-                     per_block_s: float) -> float:
-    """When vLLM's engine core has hashed a new request's prompt (and the scheduler sees it):
-    its input thread takes the requests one after another, so it starts at the arrival or
-    when it finished the previous one (``busy_until``), whichever is later."""
-    return max(arrival_s, busy_until) + per_block_s * (prompt_tokens // tokens_per_hash)
+class ArrivalPath:
+    """When the scheduler sees each request, in arrival order: vLLM's OpenAI server tokenizes
+    a text prompt (``prompt_tokenize_s_per_token`` per prompt token; its one tokenizer worker,
+    vLLM's default ``renderer_num_workers = 1``, takes the prompts one after another), then the
+    engine core's input thread hashes it (``prompt_hash_s_per_block`` per hash block, one
+    request after another). Each stage starts when the request reaches it or when the stage
+    is done with the previous request, whichever is later; the TTFT counts from the arrival."""
+
+    __slots__ = ("hash_s", "hashed_until", "tokenize_s", "tokenized_until")
+
+    def __init__(self, tokenize_s_per_token: float, hash_s_per_block: float) -> None:
+        self.tokenize_s = tokenize_s_per_token
+        self.hash_s = hash_s_per_block
+        self.tokenized_until = 0.0
+        self.hashed_until = 0.0
+
+    def seen_at(self, req: Request) -> float:
+        """When the scheduler sees ``req`` (call once per request, in arrival order)."""
+        t = req.arrival_s
+        if self.tokenize_s:
+            t = self.tokenized_until = max(t, self.tokenized_until) + self.tokenize_s * req.prompt_tokens
+        if self.hash_s:
+            t = self.hashed_until = (max(t, self.hashed_until)
+                                     + self.hash_s * (req.prompt_tokens // req.tokens_per_hash))
+        return t
 
 
 class Engine:
@@ -291,22 +316,17 @@ class Engine:
     # -- processes ------------------------------------------------------------------
 
     def _arrivals(self) -> Proc:
-        """Requests reach the scheduler in arrival order, each once vLLM's engine core
-        has hashed its prompt (``per_hashed_block_s`` per hash block, one request after
-        another, in its input thread: :class:`~sim.model.costs.HostOverhead`)."""
+        """Requests reach the scheduler in arrival order, each once vLLM has tokenized
+        (text prompts) and hashed its prompt (:class:`ArrivalPath`)."""
         env = self.env
         last = 0.0
-        hash_s = self.cfg.prompt_hash_s_per_block
-        hashed_until = 0.0     # when the input thread is done with the requests so far
+        path = ArrivalPath(self.cfg.prompt_tokenize_s_per_token, self.cfg.prompt_hash_s_per_block)
         for req in self._requests:
             if req.arrival_s < last:
                 raise ValueError(f"request {req.req_id} arrives at {req.arrival_s} s, before "
                                  f"the previous one ({last} s): the stream must be sorted")
             last = req.arrival_s
-            ready = req.arrival_s
-            if hash_s:
-                ready = hashed_until = prompt_hashed_at(ready, hashed_until, req.prompt_tokens,
-                                                        req.tokens_per_hash, hash_s)
+            ready = path.seen_at(req)
             self.next_arrival_s = ready
             if ready > env.now:
                 yield env.timeout(ready - env.now)

@@ -36,7 +36,8 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           h2d_/d2h_piece_overhead_s, h2d_/d2h_duplex_factor,
                           host_step_s, host_per_request_s, host_per_hashed_block_s,
                           host_per_block_s, host_per_loaded_block_s,
-                          host_no_forward_step_s, host_eager_layer_s, mfu, mbu (the roofline's
+                          host_no_forward_step_s, host_eager_layer_s,
+                          host_tokenize_token_s, mfu, mbu (the roofline's
                           efficiencies, default 0.5 and 0.8)
     [cpu_cache]           exactly one of capacity (bytes) / chunks; policy ("lru" | "arc" | "belady")
     [[tiers]]             secondary tiers behind the CPU cache, in lookup order (none by
@@ -59,7 +60,10 @@ unit such as ``"64GiB"`` or ``"500MB"``; bandwidths the same, per second,
                           prefill_token_s, decode_seq_s, context_token_s}), transfer
                           ("hardware" | "zero"), tensor_parallel (1), enforce_eager
                           (false: vLLM's CUDA graphs; true: every forward pass takes at
-                          least the model's layers x hardware.host_eager_layer_s, "auto" only)
+                          least the model's layers x hardware.host_eager_layer_s, "auto" only),
+                          tokenize (false: prompts as token ids; true: text through vLLM's
+                          OpenAI server, which tokenizes each prompt, one after another,
+                          hardware.host_tokenize_token_s per token, before the engine sees it)
     [copy_path]           enabled (false), mode (fingerprint | realistic), device (auto),
                           timing (model | measured), memory_limit
     [output]              occupancy_interval_s (1.0), max_sim_time_s (none), stop_at_waiting (none)
@@ -520,6 +524,9 @@ class HardwareFile(Strict):
     host_eager_layer_s: float | None = Field(
         default=None, ge=0, le=1, description="host time per decoder layer to launch a forward pass's "
         "kernels without CUDA graphs, costs.enforce_eager (default: the GPU's)")
+    host_tokenize_token_s: float | None = Field(
+        default=None, ge=0, le=1, description="vLLM's OpenAI server tokenizing a text prompt, per prompt "
+        "token, before the engine sees the request, costs.tokenize (default: the GPU's)")
     mfu: float | None = Field(
         default=None, gt=0, le=1, description="fraction of dense BF16 peak the step model's matmuls reach, "
         "for every step (default: the GPU's measured curve by tokens per step, else 0.5; kvsim calibrate "
@@ -553,6 +560,7 @@ class HardwareSection(Strict):
     host_per_loaded_block_s: float | None = Field(default=None, ge=0, le=1)
     host_no_forward_step_s: float | None = Field(default=None, ge=0, le=1)
     host_eager_layer_s: float | None = Field(default=None, ge=0, le=1)
+    host_tokenize_token_s: float | None = Field(default=None, ge=0, le=1)
     mfu: float | None = Field(default=None, gt=0, le=1)
     mbu: float | None = Field(default=None, gt=0, le=1)
     dense_bf16_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -756,6 +764,10 @@ class CostsSection(Strict):
     enforce_eager: bool = Field(
         default=False, description="vLLM's enforce_eager: no CUDA graphs, every forward pass takes at least "
         "its decoder layers x hardware.host_eager_layer_s (step \"auto\" only)")
+    tokenize: bool = Field(
+        default=False, description="prompts reach vLLM as text through its OpenAI server, which tokenizes "
+        "them one after another (hardware.host_tokenize_token_s per prompt token) before the engine "
+        "sees them; false: token ids, as the offline LLM class and vLLM's benchmarks send them")
 
 
 class CopyPathSection(Strict):
@@ -1202,6 +1214,7 @@ class ResolvedHardware:
     host_per_loaded_block_s: float = 0.0
     host_no_forward_step_s: float = 0.0
     host_eager_layer_s: float = 0.0
+    host_tokenize_token_s: float = 0.0
     mfu: float | None = None  #: a constant matmul efficiency; None: the GPU's curve (else DEFAULT_MFU)
     mbu: float = DEFAULT_MBU
 
@@ -1547,6 +1560,7 @@ class RunSpec:
             assertions=sc.assertions, copy_path=copy,
             block_accounting=s.block_accounting, decisions=sc.decisions,
             reserve_full_isl=s.reserve_full_isl, prompt_hash_s_per_block=self._prompt_hash_s(),
+            prompt_tokenize_s_per_token=(self.hardware.host_tokenize_token_s if sc.costs.tokenize else 0.0),
             **self._tier_config())
 
     def _prompt_hash_s(self) -> float:
@@ -1652,6 +1666,8 @@ class RunSpec:
                     "d2h_duplex_factor", *HOST_KEYS):
             if key == "host_eager_layer_s" and not sc.costs.enforce_eager:
                 continue   # used only by eager runs: earlier resolved scenarios unchanged
+            if key == "host_tokenize_token_s" and not sc.costs.tokenize:
+                continue   # used only with text prompts: earlier resolved scenarios unchanged
             hardware[key] = getattr(hw, key)
         if hw.mfu is not None:   # the defaults left out: earlier resolved scenarios unchanged
             hardware["mfu"] = hw.mfu
@@ -1691,6 +1707,8 @@ class RunSpec:
                         "tensor_parallel": sc.costs.tensor_parallel}
         if sc.costs.enforce_eager:   # off: left out, earlier resolved scenarios unchanged
             out["costs"]["enforce_eager"] = True
+        if sc.costs.tokenize:   # off: left out, earlier resolved scenarios unchanged
+            out["costs"]["tokenize"] = True
         out["copy_path"] = sc.copy_path.model_dump(exclude_none=True)
         out["output"] = sc.output.model_dump(exclude_none=True)
         return out

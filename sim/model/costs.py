@@ -188,6 +188,12 @@ AMPERE_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((516, 0.622), (1032, 
 #: Blackwell layer's non-matmul share and small-step shape follow Hopper's.
 BLACKWELL_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = tuple(
     (n, round(e * 0.776 / 0.803, 3)) for n, e in HOPPER_MATMUL_EFFICIENCY)
+#: The H20 (no operator profile published): one point, flat for every step. A BF16 GEMM of 8,192 x
+#: 8,192 x 3,696 per GPU (8,192 x 8,192 x 29,568 split over 8 H20s) took 4.01 ms with its reduce-
+#: scatter (ByteDance-Seed/Triton-distributed issue 48, "Torch + NCCL"), so the GEMM alone ran at
+#: >= 124 TFLOP/s, 0.84 of 148. Flat: an assumption resting on the A100's curve, flat with a third
+#: of the H100's peak; the H20's is 15 % of it, so even small steps keep its tensor cores busy.
+H20_MATMUL_EFFICIENCY: tuple[tuple[int, float], ...] = ((8192, 0.84),)
 #: Default fraction of dense BF16 peak that attention kernels reach on the query-key pairs of
 #: attention groups (not mamba): FlashAttention-3, which vLLM's FlashAttention backend runs on
 #: Hopper, measured 614-621 TFLOP/s of 989 on an H100 at head dim 128 and 8k-16k tokens
@@ -421,6 +427,10 @@ class HostOverhead:
         eager_layer_s: per decoder layer, the host's time to launch a forward pass's
             kernels when no CUDA graph replays it (vLLM's ``enforce_eager``); unused
             otherwise (:attr:`RooflineStepModel.launch_s`).
+        tokenize_token_s: per prompt token, vLLM's OpenAI server tokenizing a prompt that
+            arrives as text, before the engine core sees the request (``costs.tokenize``:
+            the engine delays each arrival by it, one request after another,
+            ``EngineConfig.prompt_tokenize_s_per_token``; unused otherwise).
     """
 
     step_s: float = 0.0
@@ -430,10 +440,11 @@ class HostOverhead:
     per_loaded_block_s: float = 0.0
     no_forward_step_s: float = 0.0
     eager_layer_s: float = 0.0
+    tokenize_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("step_s", "per_request_s", "per_hashed_block_s", "per_block_s", "per_loaded_block_s",
-                     "no_forward_step_s", "eager_layer_s"):
+                     "no_forward_step_s", "eager_layer_s", "tokenize_token_s"):
             object.__setattr__(self, name, _finite_non_negative("HostOverhead", name, getattr(self, name)))
 
 
@@ -742,6 +753,11 @@ HOST_NO_FORWARD_STEP_S = 0.22e-3
 #: an A800) eager at 22-23 ms per output token against 13 ms with CUDA graphs, the step's 1.4 ms of host
 #: time taken off: (22.5 - 1.4) / 28 = 0.75 ms per layer (vllm-project/vllm-omni issue 7960)
 HOST_EAGER_LAYER_S = 0.75e-3
+#: vLLM's OpenAI server tokenizing a text prompt, per prompt token (costs.tokenize; docs/costs.md,
+#: "Tokenizing text prompts"): "a few hundred milliseconds" for 256K tokens (vllm-project/vllm PR
+#: 10635), and a Hugging Face fast tokenizer encodes 4.2 MB/s on one thread (huggingface/tokenizers
+#: PR 1584), about 1 us per token at about 4 bytes per token. An assumption within a factor of two.
+HOST_TOKENIZE_TOKEN_S = 1.0e-6
 
 #: A GH200's NVLink-C2C host link (docs/costs.md): copy-engine memcpy measured 346 GB/s host->device
 #: (nvbandwidth), device->host about 15 % slower and measured 297 GB/s in a study; each way keeps about
@@ -781,6 +797,9 @@ _HOST_SOURCES = (
     "https://github.com/deepspeedai/DeepSpeed/pull/8352: vLLM on an H200, GPT-2 (12 layers) at batch 1, "
     "207.7 tok/s eager against 766.6 with CUDA graphs: about 0.3 ms per layer (a lighter layer); "
     "assumption: 0.75 ms per layer on every host",
+    "https://github.com/vllm-project/vllm/pull/10635: vLLM's OpenAI server tokenizing a 256K-token "
+    "prompt takes a few hundred milliseconds; https://github.com/huggingface/tokenizers/pull/1584: a "
+    "fast tokenizer encodes 4.2 MB/s on one thread: assumption 1 us per prompt token",
 )
 
 
@@ -794,7 +813,8 @@ _MATMUL_SOURCE = (
 
 #: the engine's host time on every GPU profile (the same host CPU assumed)
 _HOST = HostOverhead(HOST_STEP_S, HOST_PER_REQUEST_S, HOST_PER_HASHED_BLOCK_S, HOST_PER_BLOCK_S,
-                     HOST_PER_LOADED_BLOCK_S, HOST_NO_FORWARD_STEP_S, HOST_EAGER_LAYER_S)
+                     HOST_PER_LOADED_BLOCK_S, HOST_NO_FORWARD_STEP_S, HOST_EAGER_LAYER_S,
+                     HOST_TOKENIZE_TOKEN_S)
 
 
 def _pcie5_x16(duplex: float) -> TransferModel:
@@ -931,10 +951,14 @@ GPU_PROFILES: dict[str, GpuProfile] = {
             "https://github.com/Dao-AILab/flash-attention/issues/1310: FlashAttention-3 forward on an H20, "
             "BF16, head dim 128, 2 x 2,048 tokens: 126.2 TFLOPS without and 107.8 TFLOPS with the causal "
             "mask (0.85 and 0.73 of 148); 0.85 taken: a chunked prefill's pairs are mostly unmasked",
+            "https://github.com/ByteDance-Seed/Triton-distributed/issues/48: 8 H20s, a GEMM of 8,192 x "
+            "8,192 x 29,568 (K split 8 ways) and its reduce-scatter in 4.01 ms (Torch + NCCL): the GEMM "
+            ">= 124 TFLOP/s, 0.84 of 148; assumption: flat over step sizes",
             *_PCIE_SOURCES,
             *_HOST_SOURCES,
         ),
         attention_efficiency=0.85,
+        matmul_efficiency=H20_MATMUL_EFFICIENCY,
     ),
     "a100": GpuProfile(
         name="a100",

@@ -27,9 +27,10 @@ The fit (a fixed point of replay and least squares)
     leaves its load: scheduled requests ``n_k``, FLOPs ``F_k``, bytes
     ``M_k``. Its time is ``T_k = h_step + h_req n_k + max(F_k / flops,
     M_k / bytes)``, linear in ``(h_step, h_req, 1 / flops, 1 / bytes)`` once
-    the roof of each step is fixed. A request's TTFT is the fixed time the
-    engine core takes to hash its prompt (no coefficient moves it:
-    ``EngineConfig.prompt_hash_s_per_block``, held at the profile's), then
+    the roof of each step is fixed. A request's TTFT is the fixed time vLLM
+    takes to tokenize a text prompt (``costs.tokenize``) and to hash it (no
+    coefficient moves them: ``EngineConfig.prompt_tokenize_s_per_token`` and
+    ``prompt_hash_s_per_block``, held at the profile's), then
     the time of the steps (or the parts of the steps) between the scheduler
     seeing it and its first token plus the time the engine was not
     computing then (waiting for a flushed store, idle); its decode time,
@@ -104,7 +105,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.engine.loop import EngineConfig, prompt_hashed_at, simulate
+from sim.engine.loop import ArrivalPath, EngineConfig, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.errors import InputError
 from sim.io.scenario import HOST_KEYS, RunSpec, group_spec
@@ -541,12 +542,8 @@ def _replay(cfg: EngineConfig, model: RooflineStepModel, requests: Sequence[Requ
     loads = rec_model.loads
     flops = np.array([model.compute_s(x) * model.flops_per_s for x in loads], dtype=float)
     nbytes = np.array([model.step_bytes(x) for x in loads], dtype=float)
-    seen = []
-    busy = 0.0
-    for r in requests:      # in arrival order, as the engine hashes them
-        busy = prompt_hashed_at(r.arrival_s, busy, r.prompt_tokens, r.tokens_per_hash,
-                                cfg.prompt_hash_s_per_block)
-        seen.append(busy)
+    path = ArrivalPath(cfg.prompt_tokenize_s_per_token, cfg.prompt_hash_s_per_block)
+    seen = [path.seen_at(r) for r in requests]   # in arrival order, as the engine sees them
     return Replay(col("arrival_s"), np.array(seen, dtype=float), col("first_token_s"), col("finish_s"),
                   np.array(ends, dtype=float),
                   np.array(rec_model.times, dtype=float), np.array([x.requests for x in loads], dtype=float),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from sim.engine.loop import Engine, EngineConfig, InvariantViolation, simulate
+from sim.engine.loop import ArrivalPath, Engine, EngineConfig, InvariantViolation, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import MultiTurnParams, Request, iter_multiturn
 from sim.model.costs import HostOverhead, RooflineStepModel, StepCostModel, TransferModel
@@ -199,6 +199,38 @@ def test_a_request_reaches_the_scheduler_once_its_prompt_is_hashed() -> None:
     # without it, no delay
     f, _ = run(replace(cfg, prompt_hash_s_per_block=0.0), reqs)
     assert f["requests"].set_index("req_id").loc["b"].scheduled_s == 0.0
+
+
+def test_a_text_prompt_is_tokenized_then_hashed_one_request_after_another() -> None:
+    """With text prompts (costs.tokenize) vLLM's OpenAI server tokenizes each prompt in its one
+    tokenizer worker, then the engine core hashes it: two serial stages, each taking the
+    requests in arrival order, so a burst queues at both; the TTFT counts from the arrival."""
+    fast = RooflineStepModel(1.0, 1.0, (1.0,), 1.0, 1e15, 1e15)   # steps of nanoseconds
+    cfg = EngineConfig(layout=FA16, gpu_blocks=400, cpu_capacity_chunks=50, step_cost=fast,
+                       prompt_tokenize_s_per_token=1e-4,          # 0.1 ms per prompt token
+                       prompt_hash_s_per_block=1e-3)              # 1 ms per 16-token hash block
+    reqs = [req("a", 0.0, 256, 2, prefix=1), req("b", 0.0, 520, 2, prefix=2), req("c", 1.0, 160, 2, prefix=3)]
+    f, _ = run(cfg, reqs)
+    rq = f["requests"].set_index("req_id")
+    # a: tokenized by 25.6 ms, hashed by 41.6 ms; b: tokenized after a, by 25.6 + 52 = 77.6 ms (its
+    # hashing waits for that, not for a's), hashed by 77.6 + 32 = 109.6 ms; c: both stages free again
+    assert rq.loc["a"].scheduled_s == pytest.approx(0.0416, abs=1e-9)
+    assert rq.loc["b"].scheduled_s == pytest.approx(0.1096, abs=1e-9)
+    assert rq.loc["c"].scheduled_s == pytest.approx(1.026, abs=1e-9)
+    assert (rq.ttft_s > rq.scheduled_s - rq.arrival_s).all()
+    # a path that only tokenizes: the stages are independent
+    f, _ = run(replace(cfg, prompt_hash_s_per_block=0.0), reqs)
+    rq = f["requests"].set_index("req_id")
+    assert list(rq.loc[["a", "b", "c"]].scheduled_s) == pytest.approx([0.0256, 0.0776, 1.016], abs=1e-9)
+
+
+def test_the_arrival_path_a_calibration_replays_is_the_engines() -> None:
+    # kvsim calibrate --from-run takes each request's fixed time before the scheduler from the same
+    # ArrivalPath the engine runs; a burst of ten 1,000-token prompts queues at the tokenizer
+    path = ArrivalPath(1e-6, 0.0)
+    seen = [path.seen_at(req(f"r{i}", 0.5, 1000, 2, prefix=i)) for i in range(10)]
+    assert seen == pytest.approx([0.5 + 1e-3 * (i + 1) for i in range(10)], abs=1e-12)
+    assert ArrivalPath(0.0, 0.0).seen_at(req("x", 2.0, 1000, 2, prefix=1)) == 2.0
 
 
 def _repeat_after_eviction(offloading: bool) -> pd.DataFrame:

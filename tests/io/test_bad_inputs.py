@@ -369,3 +369,17 @@ def test_enforce_eager_without_the_roofline_is_refused(tmp_path: Path, capsys: p
     assert code == 2
     one_line(err, f"kvsim: error: {f}:costs.enforce_eager: ", 'costs.step = "auto"')
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("setting", "allowed"), [
+    ('costs.tokenize="yes"', "a valid boolean"),
+    ("hardware.host_tokenize_token_s=-1", "greater than or equal to 0"),
+])
+def test_a_bad_tokenize_setting_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            setting: str, allowed: str) -> None:
+    f = write(tmp_path, TINY)
+    out = tmp_path / "out"
+    code, _, err = run(["run", str(f), "--set", setting, "--out", str(out), "-q"], capsys)
+    assert code == 2
+    one_line(err, f"kvsim: error: --set:{setting.split('=')[0]}: ", allowed)
+    assert not out.exists()

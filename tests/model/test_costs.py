@@ -185,7 +185,7 @@ def test_gpu_profiles_datasheet_figures() -> None:
         # the most with equal amounts each way: both directions keep the same share, below 2x in all
         assert (g.h2d.duplex_factor, g.d2h.duplex_factor) == (0.834, 0.834)
         assert g.h2d.duplex_factor + g.d2h.duplex_factor < 2.0
-        assert g.host == HostOverhead(1.4e-3, 15e-6, 1.5e-6, 1.55e-6, 0.8e-6, 0.22e-3, 0.75e-3)
+        assert g.host == HostOverhead(1.4e-3, 15e-6, 1.5e-6, 1.55e-6, 0.8e-6, 0.22e-3, 0.75e-3, 1e-6)
         assert g.sources and all(s for s in g.sources)
         assert any("nvidia.com" in s for s in g.sources)
 
@@ -229,6 +229,8 @@ def test_profile_validation() -> None:
         HostOverhead(no_forward_step_s=math.inf)
     with pytest.raises(ValueError, match="eager_layer_s"):
         HostOverhead(eager_layer_s=-1e-3)
+    with pytest.raises(ValueError, match="tokenize_token_s"):
+        HostOverhead(tokenize_token_s=math.nan)
     with pytest.raises(ValueError, match="launch_s"):
         RooflineStepModel(0.0, 0.0, (), 0.0, 1.0, 1.0, launch_s=math.nan)
 

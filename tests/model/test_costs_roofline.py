@@ -303,7 +303,7 @@ def test_attention_efficiency_is_the_gpus_measurement_where_one_exists() -> None
     assert GPU_PROFILES["h100"].attention_efficiency is None
     m = roofline_step_model(h20, shape, groups)
     assert m.pair_flops_per_s == (148e12 * 0.85,)
-    assert m.flops_per_s == 148e12 * 0.5
+    assert m.flops_per_s == 148e12 * 0.84
     forced = roofline_step_model(h20, shape, groups, attention_efficiency=0.62)
     assert forced.pair_flops_per_s == (148e12 * 0.62,)
     # a long prefill is attention-bound: the measured rate makes it faster than the default would
@@ -312,6 +312,19 @@ def test_attention_efficiency_is_the_gpus_measurement_where_one_exists() -> None
     assert m.time(load) < forced.time(load)
     with pytest.raises(ValueError, match="attention_efficiency"):
         dataclasses.replace(h20, attention_efficiency=1.5)
+
+
+def test_the_h20s_matmuls_run_at_its_measured_gemm_rate_for_every_step() -> None:
+    # a GEMM of 8,192 x 8,192 x 3,696 per H20 and its reduce-scatter in 4.01 ms (Triton-distributed
+    # issue 48): >= 124 TFLOP/s, 0.84 of 148; one point, so flat: a step of 100 tokens and one of
+    # 16,384 get the same rate (the A100's curve, a third of the H100's peak, is nearly flat)
+    h20 = GPU_PROFILES["h20"]
+    assert h20.matmul_efficiency == ((8192, 0.84),) and h20.large_step_mfu == 0.84
+    shape, groups = shipped("llama-3.1-8b")
+    m = roofline_step_model(h20, shape, groups)
+    assert m.token_rate(100) == m.token_rate(8192) == m.token_rate(16384) == pytest.approx(148e12 * 0.84)
+    # a constant mfu (a hardware file's, a run's or calibrate's) still replaces the curve
+    assert roofline_step_model(h20, shape, groups, mfu=0.5).token_rate(100) == pytest.approx(148e12 * 0.5)
 
 
 def test_the_b200_prefills_faster_than_the_h100_by_its_peak_and_decodes_by_its_bandwidth() -> None:
@@ -458,9 +471,10 @@ def test_profiles_with_a_measured_curve_use_it_unless_mfu_is_given() -> None:
         assert m.compute_s(small) / 256 > m.compute_s(big) / 8192
         fixed = roofline_step_model(g, shape, groups, mfu=0.5)
         assert fixed.token_rate_curve == () and fixed.flops_per_s == g.dense_bf16_flops * 0.5
-    # no measurement for the H20: the default constant
-    h20 = roofline_step_model(GPU_PROFILES["h20"], shape, groups)
-    assert h20.token_rate_curve == () and h20.flops_per_s == 148e12 * DEFAULT_MFU
+    # no measurement for the L40S: the default constant
+    l40s = roofline_step_model(GPU_PROFILES["l40s"], shape, groups)
+    assert l40s.token_rate_curve == ()
+    assert l40s.flops_per_s == GPU_PROFILES["l40s"].dense_bf16_flops * DEFAULT_MFU
 
 
 def test_scenario_mfu_replaces_the_curve() -> None:
@@ -530,6 +544,27 @@ def test_scenario_enforce_eager_and_its_host_figure() -> None:
     assert res["costs"]["enforce_eager"] is True and res["hardware"]["host_eager_layer_s"] == 0.0005
     again = load_run(default, ["costs.enforce_eager=true"])
     assert again.resolved()["hardware"]["host_eager_layer_s"] == GPU_PROFILES["h200"].host.eager_layer_s
+
+
+def test_scenario_tokenize_and_its_host_figure() -> None:
+    """``costs.tokenize`` (text prompts through vLLM's OpenAI server) delays each arrival by the
+    hardware's ``host_tokenize_token_s`` per prompt token (a run may set it), whatever the step
+    model; off, the engine gets token ids and the resolved scenario names neither key."""
+    default = scenarios_dir() / "default.toml"
+    off = load_run(default, [])
+    assert off.engine_config().prompt_tokenize_s_per_token == 0.0
+    assert "tokenize" not in off.resolved()["costs"]
+    assert "host_tokenize_token_s" not in off.resolved()["hardware"]
+    run = load_run(default, ["costs.tokenize=true"])
+    per_token = run.engine_config().prompt_tokenize_s_per_token
+    assert per_token == GPU_PROFILES["h200"].host.tokenize_token_s == 1e-6
+    res = run.resolved()
+    assert res["costs"]["tokenize"] is True and res["hardware"]["host_tokenize_token_s"] == 1e-6
+    assert run.step_cost == off.step_cost   # the forward pass does not change
+    over = load_run(default, ["costs.tokenize=true", "hardware.host_tokenize_token_s=2.5e-6",
+                              'costs.step="zero"'])
+    assert over.engine_config().prompt_tokenize_s_per_token == 2.5e-6
+    assert over.resolved()["hardware"]["host_tokenize_token_s"] == 2.5e-6
 
 
 def test_the_eager_figure_gives_back_its_source() -> None:
