@@ -367,3 +367,29 @@ def test_the_launches_of_a_run_with_cuda_graphs_cannot_be_fitted(world: dict[str
     assert code == 2 and err.count("\n") == 1, err
     assert "--fit: host_eager_layer_s" in err and "costs.enforce_eager = true" in err, err
     assert not profile.exists()
+
+
+def test_a_run_with_text_prompts_is_fitted_with_its_tokenization(tmp_path: Path):
+    """A run of vLLM's serving benchmark sends text, which the server tokenizes before the engine
+    sees it (``costs.tokenize``): replayed with it, the fit recovers mfu as for token ids; the
+    same run read as token ids leaves the tokenization inside the TTFTs, and the fit, which
+    explains them by slower prefills, is further off."""
+    write_trace(tmp_path / "trace.jsonl")
+    text = SCENARIO + "[costs]\ntokenize = true\n"
+    (tmp_path / "text.toml").write_text(text)
+    (tmp_path / "ids.toml").write_text(SCENARIO)
+    # a slow tokenizer (20 us a token: 2.6-120 ms for these prompts) makes the difference plain
+    slow = "hardware.host_tokenize_token_s=2e-5"
+    truth = [f"hardware.{k}={v!r}" for k, v in {**TRUTH, **TRUTH_LINK}.items()]
+    result, _ = synthetic_run(load_run(tmp_path / "text.toml", [*truth, slow]), noise=0.03, seed=1)
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    errors = {}
+    for name in ("text", "ids"):
+        code, _, err = run_cli(["calibrate", "--from-run", str(tmp_path / "results.json"), "--scenario",
+                                str(tmp_path / f"{name}.toml"), "--set", slow,
+                                "--out", str(tmp_path / f"{name}-fitted.toml")])
+        assert code == 0, err
+        hw = tomllib.loads((tmp_path / f"{name}-fitted.toml").read_text())
+        errors[name] = abs(hw["mfu"] / TRUTH["mfu"] - 1)
+    assert errors["text"] <= TOLERANCE["mfu"], errors
+    assert errors["ids"] > 2 * errors["text"], errors
