@@ -341,17 +341,18 @@ class Engine:
         self.kick()
 
     def _lifecycle(self, req: Request) -> Proc:
-        r = self.sched.add_request(req, self.env.now)
+        seen = self.env.now   # the scheduler sees it now: after its tokenization and hashing
+        r = self.sched.add_request(req, seen)
         # on arrival: longer than max_model_len (by value: mypy would narrow r.status for good)
         if r.status.value == RequestStatus.REJECTED.value:
-            self._write_request(r)
+            self._write_request(r, seen)
             return
         done = self._done[r.req_id] = self.env.event()
         self.kick()
         yield done | self._stop
         if r.status is not RequestStatus.FINISHED and r.status is not RequestStatus.REJECTED:
             r.status = RequestStatus.UNFINISHED
-        self._write_request(r)
+        self._write_request(r, seen)
 
     def _release(self, r: LiveRequest) -> None:
         """The scheduler is done with ``r``: its lifecycle writes its row."""
@@ -694,7 +695,7 @@ class Engine:
         iv = self.cfg.occupancy_interval_s
         self.next_tick = (math.floor(now / iv) + 1) * iv
 
-    def _write_request(self, r: LiveRequest) -> None:
+    def _write_request(self, r: LiveRequest, seen_s: float) -> None:
         s = self.summary
         ttft = tpot = None
         if r.first_token_s is not None:
@@ -713,10 +714,10 @@ class Engine:
             s.requests_rejected += 1
         why = r.deferral_reasons or {}
         self.rec.add(RequestRow(
-            r.req_id, r.req.session_id, r.status.value, r.req.arrival_s, r.scheduled_s, r.first_token_s,
-            r.finish_s, ttft, tpot, r.num_prompt_tokens, r.generated, r.gpu_hit_tokens, r.cpu_hit_tokens,
-            r.cpu_reload_tokens, r.computed_tokens, r.recomputed_tokens, r.loaded_bytes, r.stored_bytes,
-            r.load_jobs, r.store_jobs, r.deferrals, why.get("in_flight_jobs", 0),
+            r.req_id, r.req.session_id, r.status.value, r.req.arrival_s, seen_s, r.scheduled_s,
+            r.first_token_s, r.finish_s, ttft, tpot, r.num_prompt_tokens, r.generated, r.gpu_hit_tokens,
+            r.cpu_hit_tokens, r.cpu_reload_tokens, r.computed_tokens, r.recomputed_tokens, r.loaded_bytes,
+            r.stored_bytes, r.load_jobs, r.store_jobs, r.deferrals, why.get("in_flight_jobs", 0),
             why.get("pending_or_retry", 0), why.get("being_loaded", 0), r.deferred_s, r.preemptions,
             r.crash))
 

@@ -71,6 +71,7 @@ class RequestRow(NamedTuple):
     session_id: str | None
     status: str
     arrival_s: float
+    seen_s: float
     scheduled_s: float | None
     first_token_s: float | None
     finish_s: float | None
@@ -230,6 +231,9 @@ COLUMN_DOCS: dict[str, dict[str, tuple[str, str]]] = {
         "status": ("-", "finished | rejected (longer than the GPU pool's `max_model_len`) | unfinished "
                         "(still in flight when the run stopped)"),
         "arrival_s": ("s", "arrival time"),
+        "seen_s": ("s", "when the scheduler first saw it: the arrival plus the server's tokenization of a "
+                        "text prompt (costs.tokenize) and the engine core's prompt hashing, each queued "
+                        "one request after another"),
         "scheduled_s": ("s", "first admission (load issued or first prefill step); null if never admitted"),
         "first_token_s": ("s", "time of the first output token; null if none"),
         "finish_s": ("s", "time the last output token was produced; null if not finished"),

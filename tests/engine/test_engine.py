@@ -218,6 +218,9 @@ def test_a_text_prompt_is_tokenized_then_hashed_one_request_after_another() -> N
     assert rq.loc["b"].scheduled_s == pytest.approx(0.1096, abs=1e-9)
     assert rq.loc["c"].scheduled_s == pytest.approx(1.026, abs=1e-9)
     assert (rq.ttft_s > rq.scheduled_s - rq.arrival_s).all()
+    # the requests table says when the scheduler saw each one (here it admits them at once)
+    assert list(rq.loc[["a", "b", "c"]].seen_s) == pytest.approx([0.0416, 0.1096, 1.026], abs=1e-9)
+    assert (rq.seen_s <= rq.scheduled_s).all() and (rq.seen_s >= rq.arrival_s).all()
     # a path that only tokenizes: the stages are independent
     f, _ = run(replace(cfg, prompt_hash_s_per_block=0.0), reqs)
     rq = f["requests"].set_index("req_id")
