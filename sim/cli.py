@@ -505,6 +505,10 @@ def _cmd_calibrate_run(args: argparse.Namespace) -> int:
             why = ("no bytes counted" if lf.totals.bytes == 0 else
                    "the fixed costs alone reach the measured transfer time")
             print(f"kvsim: note: {d}: {why}; the profile's bandwidth is kept", file=sys.stderr)
+    if not spec.scenario.costs.tokenize:
+        print("kvsim: note: the replay sends token ids (costs.tokenize = false); vllm bench serve sends "
+              "text, which the server tokenizes inside each TTFT: set costs.tokenize = true for such a run",
+              file=sys.stderr)
     if not fit.steps.converged:
         print("kvsim: warning: the fit did not converge; the profile holds its last round", file=sys.stderr)
     return 0
