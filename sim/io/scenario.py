@@ -767,7 +767,7 @@ class CostsSection(Strict):
     tokenize: bool = Field(
         default=False, description="prompts reach vLLM as text through its OpenAI server, which tokenizes "
         "them one after another (hardware.host_tokenize_token_s per prompt token) before the engine "
-        "sees them; false: token ids, as the offline LLM class and vLLM's benchmarks send them")
+        "sees them (vllm bench serve sends text); false: token ids, as the offline LLM class takes them")
 
 
 class CopyPathSection(Strict):
