@@ -227,9 +227,9 @@ def test_a_text_prompt_is_tokenized_then_hashed_one_request_after_another() -> N
     assert list(rq.loc[["a", "b", "c"]].scheduled_s) == pytest.approx([0.0256, 0.0776, 1.016], abs=1e-9)
 
 
-def test_the_arrival_path_a_calibration_replays_is_the_engines() -> None:
-    # kvsim calibrate --from-run takes each request's fixed time before the scheduler from the same
-    # ArrivalPath the engine runs; a burst of ten 1,000-token prompts queues at the tokenizer
+def test_a_burst_of_text_prompts_queues_at_the_tokenizer() -> None:
+    # ArrivalPath alone (the engine and kvsim calibrate --from-run both run it): ten 1,000-token
+    # prompts arriving together leave the tokenizer 1 ms apart; without delays, at their arrival
     path = ArrivalPath(1e-6, 0.0)
     seen = [path.seen_at(req(f"r{i}", 0.5, 1000, 2, prefix=i)) for i in range(10)]
     assert seen == pytest.approx([0.5 + 1e-3 * (i + 1) for i in range(10)], abs=1e-12)
