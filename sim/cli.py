@@ -946,7 +946,8 @@ def _interrupts() -> Iterator[None]:
 
     The workers of a pool (regress's, fuzz's) are ended first: their work is
     abandoned, and the pool does not wait for the units still queued (a
-    thread of the pool that fails as it is torn down prints nothing). A
+    thread of the pool that fails as it is torn down prints nothing, until
+    the process exits). A
     process forked from this one inherits the handlers: there SIGINT is left
     to this process, and SIGTERM ends the worker as it would by default.
     """
@@ -955,6 +956,7 @@ def _interrupts() -> Iterator[None]:
         return
     pid = os.getpid()
     hook = threading.excepthook
+    signalled = False
 
     def quiet(args: Any) -> None:
         return None
@@ -965,6 +967,8 @@ def _interrupts() -> Iterator[None]:
 
         def handler(signum: int, frame: Any) -> None:
             if os.getpid() == pid:
+                nonlocal signalled
+                signalled = True
                 threading.excepthook = quiet
                 with contextlib.suppress(Exception):
                     for child in multiprocessing.active_children():
@@ -980,7 +984,10 @@ def _interrupts() -> Iterator[None]:
         try:
             yield
         finally:
-            threading.excepthook = hook
+            # after a signal the command is ending: the pool's threads may still fail as its
+            # workers die (after this block), so they stay quiet until the process exits
+            if not signalled:
+                threading.excepthook = hook
 
 
 def main(argv: Sequence[str] | None = None) -> int:
