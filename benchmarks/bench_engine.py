@@ -32,27 +32,44 @@ Wall times on a shared or virtual machine vary from run to run (on the
 median run with the fastest and slowest rates beside it.
 
 After the table, a profile of the fast accounting on the spec §6 case
-(``--profile-limit`` requests, top entries by own time).
+(``--profile-limit`` requests; ``--profile-case`` picks another case). With py-spy
+installed (``pip install py-spy``; the ``[test]`` extra has it) it samples the run as
+it is timed, compiled modules included (``py-spy record --native``), and prints the
+functions with the largest own time and the largest time with their callees: a
+compiled function by its Python name, the CPython and mypyc helpers it calls
+(reference counts, dict and list operations) counted as its own. Without py-spy it
+falls back to ``cProfile`` of the Python sources (``KVSIM_PURE=1``: cProfile sees no
+function inside a compiled module), which overstates what compiling removes.
 
 The target of the engine issue is >= 6,000 simulated requests per second and
 <= 300 MB peak RSS on a 2-core machine; the script prints the ratio to it.
 
     python benchmarks/bench_engine.py [--limit N] [--case NAME ...] [--accounting fast|reference]
-                                      [--profile-limit N] [--repeat N]
+                                      [--profile-limit N] [--profile-case NAME] [--repeat N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
 import pstats
 import resource
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+
+if os.environ.get("KVSIM_BENCH_CHILD"):
+    # a timed run started by py-spy, itself the script's child: Ctrl-C is the script's to
+    # handle (sim.startup then installs no handler), as for the children it starts itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 import sim.startup  # first: a signal during the heavy imports below ends in one line
 from sim import _native
@@ -160,6 +177,116 @@ def check_cases(cases: list[str], ap: argparse.ArgumentParser) -> None:
             ap.error(f"case {case}: {exc}")
 
 
+#: frames below which py-spy's stacks are the benchmark's own harness, not the replay
+_HARNESS = ("<module>", "run_script", "main", "child", "simulate", "Engine.run", "Environment.run",
+            "Environment.step", "Process._resume", "Engine._engine")
+
+
+def _code_frame(frame: str) -> str | None:
+    """The function a frame of a py-spy ``--native`` stack names, as a reader of the
+    sources knows it, or None for a helper whose time is its caller's own: a frame is
+    ``name (file:line)``; Python code (kvsim's, SimPy's, numpy's) has a ``.py`` file, a
+    function mypyc compiled is ``CPyDef_<module>___<Class>___<method>``, the pool's C
+    loops ``poolops_<name>`` in ``_poolops.c``; CPython's and mypyc's runtime helpers
+    (``Py_DECREF``, ``CPyDict_GetItem``, ``list_dealloc``...), mypyc's argument-parsing
+    wrappers (``CPyPy_``) and libraries' C code are none of these."""
+    name, _, where = frame.partition(" (")
+    if name.startswith("CPyDef_"):
+        parts = [p for p in name[len("CPyDef_"):].split("___") if p]
+        return ".".join(parts[1:]) + f" [{parts[0]}, compiled]" if len(parts) > 1 else name
+    if name.startswith("poolops_") and "_poolops.c" in where:
+        return f"{name[len('poolops_'):]} [_poolops, C]"
+    file = where.rpartition(":")[0] if ":" in where else where.rstrip(")")
+    if file.endswith(".py"):
+        return f"{name} [{Path(file).name}]"
+    return None
+
+
+def summarize_native(raw: str, top: int = 20) -> str:
+    """Own and inclusive shares of the samples of a ``py-spy record --native --format raw``
+    profile (lines ``frame;frame;... count``, outermost frame first), by :func:`_code_frame`.
+    Samples outside the replay (imports, set-up) are counted apart; the shares are of the rest."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = outside = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        names = [c for c in map(_code_frame, stack.split(";")) if c is not None]
+        if not any(c.startswith("Engine.run ") for c in names):
+            outside += n
+            continue
+        names = [c for c in names if c.split(" [")[0] not in _HARNESS]
+        if not names:
+            own["(the harness: SimPy's event loop, the engine's process)"] += n
+            continue
+        own[names[-1]] += n
+        for c in dict.fromkeys(names):
+            incl[c] += n
+    replay = total - outside
+    if not replay:
+        return f"{total:,} samples, none inside the replay"
+
+    def pct(n: int) -> str:
+        return f"{100 * n / replay:.1f}"
+
+    out = [f"{total:,} samples, {replay:,} of them inside the replay (the shares below are of these; "
+           "the rest are imports, loading the trace, set-up)",
+           "", "| own % | with callees % | function |", "|---:|---:|---|"]
+    out += [f"| {pct(n)} | {pct(incl.get(name, n))} | {name} |" for name, n in own.most_common(top)]
+    out += ["", "| with callees % | function |", "|---:|---|"]
+    out += [f"| {pct(n)} | {name} |" for name, n in incl.most_common(top)]
+    return "\n".join(out)
+
+
+def _py_spy() -> str | None:
+    """The py-spy executable: on PATH or beside this interpreter (a virtual environment)."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+
+
+def _native_profile(spy: str, case: str, limit: int) -> str:
+    """Sample the fast accounting's run of ``case`` as it is timed (compiled) with py-spy."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-profile-") as tmp:
+        raw = Path(tmp) / "profile.txt"
+        cmd = [spy, "record", "--native", "--rate", "250", "--format", "raw", "--output", str(raw),
+               "--", sys.executable, __file__, "--child", case, "--accounting", "fast", "--limit", str(limit)]
+        env = dict(os.environ, KVSIM_BENCH_CHILD="1")
+        # a session of its own: py-spy stops at a Ctrl-C to the terminal's group by exiting at
+        # once, without its child; the script ends both instead (:func:`_end_py_spy`)
+        proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, preexec_fn=child_preexec, start_new_session=True)  # noqa: PLW1509 -- no threads here
+        try:
+            _, err = proc.communicate()
+        except BaseException:
+            _end_py_spy(proc)
+            raise
+        if proc.returncode != 0 or not raw.is_file():
+            tail = (err.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"py-spy failed (exit {proc.returncode}): {tail}")
+        return summarize_native(raw.read_text())
+
+
+def _end_py_spy(proc: subprocess.Popen) -> None:
+    """End a py-spy run on the way out (Ctrl-C): its child first, which py-spy then reaps
+    before it exits (killed first, py-spy would leave the child to die with it unreaped)."""
+    try:
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for kid in kids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(kid), signal.SIGKILL)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _run_child(case: str, accounting: str, limit: int | None, profile: bool = False) -> tuple[dict, str]:
     cmd = [sys.executable, __file__, "--child", case, "--accounting", accounting]
     if limit:
@@ -181,7 +308,9 @@ def main() -> None:
     ap.add_argument("--accounting", action="append", choices=ACCOUNTINGS,
                     help="block accounting(s) to run (default: both, side by side)")
     ap.add_argument("--profile-limit", type=int, default=2000,
-                    help="requests of the profiled fast spec §6 run (0: no profile)")
+                    help="requests of the profiled fast run (0: no profile)")
+    ap.add_argument("--profile-case", choices=sorted(CASES), default="mooncake-spec6",
+                    help="the case profiled (default mooncake-spec6)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case and accounting, in rounds (each round runs them all in "
                          "turn, so a slow spell of the machine hits all alike); the table gives the "
@@ -190,14 +319,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        if os.environ.get("KVSIM_BENCH_CHILD"):
+            child_preexec()   # started by py-spy: die with it, as py-spy dies with the script
         child(args.child, args.limit, args.profile, (args.accounting or ["fast"])[0])
         return
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, pid {os.getpid()}")
     print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.profile_limit < 0:
+        ap.error("--profile-limit must be 0 (no profile) or more")
     check_cases([*dict.fromkeys(args.case or list(CASES))]
-                + (["mooncake-spec6"] if args.profile_limit else []), ap)
+                + ([args.profile_case] if args.profile_limit else []), ap)
     combos = [(case, accounting) for case in args.case or list(CASES)
               for accounting in args.accounting or ACCOUNTINGS]
     runs: dict[tuple[str, str], list[dict]] = {c: [] for c in combos}
@@ -233,10 +366,28 @@ def main() -> None:
               f"{span} {r['req_per_s'] / TARGET_RPS:.3f} | {speedup} | {r['peak_rss_mb']:.0f} | "
               f"{r['peak_rss_mb'] / TARGET_RSS_MB:.2f} |")
     if args.profile_limit:
-        _, prof = _run_child("mooncake-spec6", "fast", args.profile_limit, profile=True)
-        print(f"\nprofile: fast accounting, mooncake-spec6, first {args.profile_limit:,} requests "
-              "(cProfile of the Python sources, KVSIM_PURE=1; top entries by own time)")
-        print("\n".join(line for line in prof.splitlines() if line.strip())[:4000])
+        profile(args.profile_case, args.profile_limit)
+
+
+def profile(case: str, limit: int) -> None:
+    """Print the profile of the fast accounting on the first ``limit`` requests of ``case``."""
+    head = f"\nprofile: fast accounting, {case}, first {limit:,} requests"
+    spy = _py_spy()
+    why = "py-spy is not installed (pip install py-spy)"
+    if spy is not None:
+        try:
+            summary = _native_profile(spy, case, limit)
+        except RuntimeError as exc:
+            why = str(exc)
+        else:
+            print(f"{head} (py-spy --native, 250 samples/s, the modules compiled as timed; "
+                  "a helper's time is its caller's own)\n")
+            print(summary)
+            return
+    _, prof = _run_child(case, "fast", limit, profile=True)
+    print(f"{head} (cProfile of the Python sources, KVSIM_PURE=1, because {why}; top entries "
+          "by own time)")
+    print("\n".join(line for line in prof.splitlines() if line.strip())[:4000])
 
 
 if __name__ == "__main__":

@@ -116,3 +116,87 @@ def test_bench_engine_ends_on_ctrl_c_with_one_line(delay: float):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
+
+
+def test_native_profile_summary_folds_helpers_into_their_callers():
+    """py-spy's raw stacks: a compiled function is named as in its source, the CPython and
+    mypyc helpers below it are its own time, Python frames keep their file, and samples
+    outside the replay are counted apart from the shares."""
+    harness = ("<module> (bench_engine.py:1);child (bench_engine.py:2);simulate (sim/engine/loop.py:3);"
+               "Engine.run (sim/engine/loop.py:4);Environment.step (simpy/core.py:5);"
+               "Engine._step (sim/engine/loop.py:6)")
+    raw = "\n".join([
+        f"{harness};CPyPy_scheduler___Scheduler___schedule (__native.c:1);"
+        "CPyDef_scheduler___Scheduler___schedule (__native.c:2);Py_DECREF (object.h:3) 6",
+        f"{harness};CPyDef_scheduler___Scheduler___schedule (__native.c:2);"
+        "CPyDef_gpu_fast___FastBlockPool____pop_head (__native.c:9);list_dealloc (listobject.c:1) 2",
+        f"{harness};CPyDef_scheduler___Scheduler___schedule (__native.c:2);"
+        "poolops_take (sim/model/_poolops.c:68);PyDict_DelItem (dictobject.c:1) 1",
+        f"{harness};LruPolicy.touch (sim/model/cpu_cache.py:435) 1",
+        "<module> (bench_engine.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 10",
+    ])
+    out = BENCH.summarize_native(raw, top=10)
+    assert out.startswith("20 samples, 10 of them inside the replay"), out
+    cells = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ")]
+    own = {r[2]: (float(r[0]), float(r[1])) for r in cells if len(r) == 3 and r[0] != "own %"}
+    incl = {r[1]: float(r[0]) for r in cells if len(r) == 2 and r[0] != "with callees %"}
+    assert own == {"Scheduler.schedule [scheduler, compiled]": (60.0, 90.0),
+                   "FastBlockPool._pop_head [gpu_fast, compiled]": (20.0, 20.0),
+                   "take [_poolops, C]": (10.0, 10.0),
+                   "LruPolicy.touch [cpu_cache.py]": (10.0, 10.0)}
+    assert incl["Engine._step [loop.py]"] == 100.0   # the step itself, below the harness
+    assert not any(name.startswith(("simulate", "Engine.run", "Environment")) for name in incl)
+
+
+@pytest.mark.parametrize("spy", ["missing", "failing"])
+def test_bench_engine_profile_falls_back_to_cprofile_and_says_why(spy: str, monkeypatch, capsys):
+    monkeypatch.setattr(BENCH, "_py_spy", lambda: None if spy == "missing" else "/bin/false")
+    BENCH.profile("default", 20)
+    out = capsys.readouterr().out
+    why = "py-spy is not installed" if spy == "missing" else "py-spy failed (exit 1)"
+    assert f"cProfile of the Python sources, KVSIM_PURE=1, because {why}" in out, out
+    assert "Ordered by: internal time" in out, out
+    assert re.search(r"sim/model/\w+\.py:\d+\(\w+\)$", out, re.M), out   # the model's own functions
+
+
+def test_bench_engine_profiles_the_run_as_timed_with_py_spy():
+    """The README's benchmark command prints a py-spy profile of the fast accounting (the
+    ``[test]`` extra installs py-spy): the scheduler's step is in it, compiled where the
+    install compiled it."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--case", "default",
+           "--accounting", "fast", "--limit", "20", "--profile-case", "default", "--profile-limit", "60"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "profile: fast accounting, default, first 60 requests (py-spy --native" in out, out
+    assert re.search(r"^\| [\d.]+ \| Scheduler\.schedule \[scheduler(, compiled|\.py)\] \|$", out, re.M), out
+
+
+def test_bench_engine_ends_on_ctrl_c_while_py_spy_profiles():
+    """Ctrl-C while the profile runs under py-spy (its own session, so the terminal's signal
+    does not make it exit without its child): one line, exit 130, and neither py-spy nor the
+    run it samples outlives the script, not even as a zombie."""
+    import os
+    import signal
+    import time
+
+    marker = "--profile-limit 301"   # this test's profile, told apart from other tests' runs
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--case", "default",
+           "--accounting", "fast", "--limit", "20", "--profile-case", "default", *marker.split()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while b"py-spy" not in subprocess.run(["pgrep", "-a", "-P", str(proc.pid)], capture_output=True).stdout:
+        assert time.monotonic() < deadline and proc.poll() is None, "the profile never started"
+        time.sleep(0.1)
+    time.sleep(1.0)   # inside the sampled run
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "--", "--limit 301"], capture_output=True,
+                                           text=True).stdout.split()]
+    assert len(pids) == 2, pids   # py-spy and the run it samples
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["bench_engine: interrupted (SIGINT)"], err
+    for pid in pids:   # gone and reaped: a zombie would still take a signal 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
