@@ -186,12 +186,15 @@ def test_bench_engine_ends_on_ctrl_c_while_py_spy_profiles():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while b"py-spy" not in subprocess.run(["pgrep", "-a", "-P", str(proc.pid)], capture_output=True).stdout:
+    def children() -> bytes:
+        return subprocess.run(["pgrep", "-a", "-P", str(proc.pid)], check=False, capture_output=True).stdout
+
+    while b"py-spy" not in children():
         assert time.monotonic() < deadline and proc.poll() is None, "the profile never started"
         time.sleep(0.1)
     time.sleep(1.0)   # inside the sampled run
-    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "--", "--limit 301"], capture_output=True,
-                                           text=True).stdout.split()]
+    found = subprocess.run(["pgrep", "-f", "--", "--limit 301"], check=False, capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split()]
     assert len(pids) == 2, pids   # py-spy and the run it samples
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
