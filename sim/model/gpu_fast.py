@@ -452,6 +452,26 @@ class FastBlockPool:
             if queued:
                 self._enqueue(queued)
 
+    def free_one(self, b: int) -> None:
+        """:meth:`free` of the one block ``b`` (a decode step's window free)."""
+        ref = self.ref
+        c = ref[b]
+        if c == 1 and b:
+            ref[b] = 0
+            if self.bhash[b] is None or not self.enable_caching:
+                self._prepend([b])
+            else:
+                q = self._queue
+                if q and len(q[-1]) < self.CHUNK:
+                    q[-1].append(b)
+                else:
+                    q.append([b])
+                self._nfree += 1
+        elif c > 1:
+            ref[b] = c - 1
+        elif c != 1:
+            raise GpuInvariantError(f"double free of block {b}")
+
     def _free_compiled(self, ops: ModuleType, ids: Iterable[int]) -> None:
         """:meth:`free` by the compiled loop: the same blocks to the same ends, in order."""
         queued: list[int] = []
@@ -469,11 +489,17 @@ class FastBlockPool:
     def _prepend(self, blocks: list[int]) -> None:
         """Put ``blocks`` at the head of the free queue, in order (the first is handed out first)."""
         q = self._queue
-        if self._head:
-            q[0] = q[0][self._head:]
-            self._head = 0
-        q.appendleft(blocks)
-        self._nfree += len(blocks)
+        n = len(blocks)
+        head = self._head
+        if head >= n:   # into the head chunk's consumed slots: no copy of the rest of it
+            q[0][head - n : head] = blocks
+            self._head = head - n
+        else:
+            if head:
+                q[0] = q[0][head:]
+                self._head = 0
+            q.appendleft(blocks)
+        self._nfree += n
 
     def _enqueue(self, queued: list[int]) -> None:
         q = self._queue
@@ -511,6 +537,18 @@ class FastBlockPool:
                 if bhash[b] is None and b:
                     bhash[b] = h
                     bgrp[b] = g
+
+    def commit_one(self, b: int, h: int, g: int) -> None:
+        """:meth:`commit_ids` of one real block ``b`` without a hash (a decode step's)."""
+        self.bhash[b] = h
+        self.bgrp[b] = g
+        if self.enable_caching:
+            cg = self._caches[g]
+            if h not in cg:
+                cg[h] = b
+                self.incache[b] = 1
+            else:
+                self._add_dup(g, h, b)
 
     def commit(self, block_id: int, block_hash: tuple[int, int]) -> None:
         """Give a computed block its hash (it becomes a prefix-cache entry)."""
@@ -977,6 +1015,13 @@ class GpuFastCache:
                 if first <= done:
                     continue
             lo = done if done > 0 else 0
+            skipped[g] = first
+            changed = True
+            if first - lo == 1 and done >= 0:   # a decode step's one block, without lists
+                b = blocks[lo]
+                blocks[lo] = NULL_BLOCK_ID
+                self.pool.free_one(b)
+                continue
             removed = blocks[lo:first]
             removed.reverse()
             blocks[lo:first] = [NULL_BLOCK_ID] * (first - lo)
@@ -984,8 +1029,6 @@ class GpuFastCache:
                 # the reference's loop runs down to index -1: the last block too
                 removed.append(blocks[-1])
                 blocks[-1] = NULL_BLOCK_ID
-            skipped[g] = first
-            changed = True
             self.pool.free(removed)
         if changed:
             t.sbound = self._skip_bound(skipped)
@@ -1048,38 +1091,41 @@ class GpuFastCache:
 
         The pool sees the same operations in the same order as those three calls
         (the window frees, then the new blocks group by group, then the hashes);
-        :meth:`commit` is called only when some group's cacheable tokens reach a
-        block past its commit mark and a real block is there, since otherwise it
-        changes nothing. None when the pool is short (the skipped blocks are freed
+        :meth:`remove_skipped` is called only from the request's skip bound on and
+        :meth:`commit` only from its commit bound on, since below them they change
+        nothing. None when the pool is short (the skipped blocks are freed
         all the same and nothing is allocated, as :meth:`allocate_more`)."""
         slots = num_computed + 1
-        self.remove_skipped(req_id, num_computed)
         t = self._tables[req_id]
+        if num_computed >= t.sbound:   # below its skip bound remove_skipped frees nothing
+            self.remove_skipped(req_id, num_computed)
         lists = t.lists
+        bsz = self._bs
+        ng = len(lists)
         want = 0
-        for blocks, bs in zip(lists, self._bs, strict=True):
-            w = -(-slots // bs) - len(blocks)
+        for g in range(ng):
+            w = -(-slots // bsz[g]) - len(lists[g])
             if w > 0:
                 want += w
         if want:
             pool = self.pool
-            if want > pool.num_free:
+            if want > pool._nfree:
                 return None
-            for blocks, bs, acc in zip(lists, self._bs, new_ids, strict=True):
-                w = -(-slots // bs) - len(blocks)
+            for g in range(ng):
+                blocks = lists[g]
+                w = -(-slots // bsz[g]) - len(blocks)
                 if w > 0:
                     fresh = pool.get_new_blocks(w)
                     blocks.extend(fresh)
-                    acc.extend(fresh)
-        if block_hashes is not None:
-            for blocks, d, (bs, eagle, a) in zip(lists, t.done, self._commit_rules, strict=True):
-                up = slots - slots % a      # Layout.cacheable_tokens, inline
-                if eagle and up:
-                    up = min(slots, up + bs)
-                if up // bs > d < len(blocks):
-                    self.commit(req_id, block_hashes[: slots // self._tph], slots)
-                    break
-        return self.quiet_thresholds(req_id)
+                    new_ids[g].extend(fresh)
+        if block_hashes is not None and slots >= t.cbound:
+            # :meth:`commit` of ``block_hashes[: slots // tokens_per_hash]`` without the copy: its
+            # own bound (``slots`` tokens) takes no hash past that prefix
+            self.commit(req_id, block_hashes, slots)
+        bound = t.cbound
+        for g in range(ng):
+            bound = min(bound, len(lists[g]) * bsz[g] + 1)
+        return bound, t.sbound
 
     def quiet_thresholds(self, req_id: str) -> tuple[int, int]:
         """:meth:`thresholds` as tight as the commit rounding allows: the same
@@ -1139,11 +1185,15 @@ class GpuFastCache:
     def commit(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Give every complete, real block below ``num_tokens`` (rounded as vLLM's
         coordinator does: :meth:`~sim.model.layout.Layout.cacheable_tokens`) its hash
-        (vLLM ``cache_blocks``); blocks committed earlier are not revisited."""
+        (vLLM ``cache_blocks``); blocks committed earlier are not revisited.
+        ``block_hashes`` may run past ``num_tokens`` (the sequence's hashes to its end,
+        no copy of the prefix): no hash past ``num_tokens`` is taken."""
         t = self._tables[req_id]
+        pool = self.pool
+        if num_tokens < t.cbound and pool.enable_caching:
+            return   # below the commit bound no group's mark moves (:meth:`quiet_thresholds`)
         done = t.done
         nh = len(block_hashes)
-        pool = self.pool
         bhash = pool.bhash
         layout = self.layout
         masks = layout.gpu_cache_masks
@@ -1179,18 +1229,9 @@ class GpuFastCache:
             if n - d > 1:
                 pool.commit_ids(blocks[d:n], block_hashes[(d + 1) * hpb - 1 : n * hpb : hpb], g)
                 continue
-            b = blocks[d]  # a decode step's block, inline
+            b = blocks[d]  # a decode step's block
             if b and bhash[b] is None:
-                h = block_hashes[n * hpb - 1]
-                bhash[b] = h
-                pool.bgrp[b] = g
-                if pool.enable_caching:
-                    cg = pool._caches[g]
-                    if h not in cg:
-                        cg[h] = b
-                        pool.incache[b] = 1
-                    else:
-                        pool._add_dup(g, h, b)
+                pool.commit_one(b, block_hashes[n * hpb - 1], g)
         if changed:
             t.cbound = self._commit_bound(done)
 

@@ -1229,7 +1229,9 @@ class Scheduler:
                     hpb, hs = self._mamba_hpb, r.block_hashes
                     self._mamba_now.update(hs[(i + 1) * hpb - 1] for i in fresh if i not in left)
                 return
-            self.gpu.commit(r.req_id, r.block_hashes, n)
+            # the fast cache takes the sequence's hashes uncut (no copy of the known prefix)
+            gpu = self.gpu
+            gpu.commit(r.req_id, r.full_hashes if isinstance(gpu, GpuFastCache) else r.block_hashes, n)
 
     def _preempt(self, r: LiveRequest) -> None:
         """Recompute preemption: blocks freed, back to the front of the waiting queue."""
