@@ -1,12 +1,13 @@
 /* The GPU block pool's per-block loops, compiled (optional).
  *
  * sim/model/gpu_fast.py keeps the pool's state in plain Python lists, a
- * bytearray per flag and one dict per group; these functions run the three
- * loops that visit one block at a time (hand out, free, commit) over exactly
+ * bytearray per flag and one dict per group; these functions run the four
+ * loops that visit one block at a time (hand out, free, commit, and the test
+ * of a free-queue piece for stale entries) over exactly
  * that state, in the same order and with the same rule per block as the
  * Python loops they replace. gpu_fast.py falls back to its own Python loops
  * when this module is not built (KVSIM_PURE_POOL=1 forces the fallback), and
- * tests/model/test_poolops.py runs both on the same calls.
+ * tests/model/test_gpu_fast.py runs both on the same calls.
  *
  * Nothing here allocates a data structure of its own: every object read or
  * written is one the Python pool owns.
@@ -266,10 +267,39 @@ poolops_commit(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* flagged(ids, flags) -> bool
+ *
+ * Whether some block of ``ids`` has its byte in ``flags`` set: the pool's test of
+ * whether a piece of its free queue holds a stale entry, one byte read per block.
+ */
+static PyObject *
+poolops_flagged(PyObject *self, PyObject *args)
+{
+    PyObject *ids, *flags;
+    if (!PyArg_ParseTuple(args, "O!O!:flagged", &PyList_Type, &ids, &PyByteArray_Type, &flags))
+        return NULL;
+    const char *f = PyByteArray_AS_STRING(flags);
+    Py_ssize_t nflags = PyByteArray_GET_SIZE(flags);
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(ids, i));
+        if (b == -1 && PyErr_Occurred())
+            return NULL;
+        if (b < 0 || b >= nflags) {
+            PyErr_Format(PyExc_IndexError, "block id %zd out of range", b);
+            return NULL;
+        }
+        if (f[b])
+            Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"take", poolops_take, METH_VARARGS, "Hand out blocks: ref 1, hashes dropped (see the C source)."},
     {"release", poolops_release, METH_VARARGS, "Drop one reference per block (see the C source)."},
     {"commit", poolops_commit, METH_VARARGS, "Give blocks their hashes (see the C source)."},
+    {"flagged", poolops_flagged, METH_VARARGS, "Whether some block's flag byte is set (see the C source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,10 +40,11 @@ What it represents differently from the reference (:mod:`sim.model.gpu_cache`)
       32), and per-run bookkeeping cost more than it saved.
 
 Compiled loops (optional)
-    The three loops that visit one block at a time (:meth:`FastBlockPool.get_new_blocks`
-    handing blocks out, :meth:`FastBlockPool.free`, :meth:`FastBlockPool.commit_ids`)
-    also exist in C (``sim/model/_poolops.c``, built by ``pip install`` where a C
-    compiler is at hand; ``setup.py`` marks it optional). They read and write the
+    The loops that visit one block at a time (:meth:`FastBlockPool.get_new_blocks`
+    handing blocks out, :meth:`FastBlockPool.free`, :meth:`FastBlockPool.commit_ids`,
+    and the test of a free-queue piece for stale entries, a flag byte per block where
+    Python probes the stale dict) also exist in C (``sim/model/_poolops.c``, built by
+    ``pip install`` where a C compiler is at hand; ``setup.py`` marks it optional). They read and write the
     same lists, bytearrays and dicts as the Python loops, block by block in the
     same order, and call back into this module for the rare duplicate-hash case.
     Without the build, or with ``KVSIM_PURE_POOL=1``, the Python loops run;
@@ -216,6 +217,9 @@ class FastBlockPool:
         #: block id -> how many of its queue entries are stale (it was touched out of
         #: the queue); a block's stale entries all precede its valid one
         self._stale: dict[int, int] = {}
+        #: 1 where a block has stale entries (``b in _stale``): a piece of the queue is
+        #: tested for them a byte per block (compiled) rather than a dict probe
+        self._isstale = bytearray(num_blocks)
         self._nfree = num_blocks - 1
         #: blocks whose hash was dropped because they were reused
         self.num_evicted = 0
@@ -306,7 +310,8 @@ class FastBlockPool:
             else:
                 piece = chunk[off : off + left]
                 self._head = off + left
-            if stale and not stale.keys().isdisjoint(piece):
+            if stale and (self._ops.flagged(piece, self._isstale) if self._ops is not None
+                          else not stale.keys().isdisjoint(piece)):
                 piece = self._drop_stale(piece)
             out += piece
             left -= len(piece)
@@ -321,6 +326,7 @@ class FastBlockPool:
             if c:
                 if c == 1:
                     del stale[b]
+                    self._isstale[b] = 0
                 else:
                     stale[b] = c - 1
             else:
@@ -415,6 +421,7 @@ class FastBlockPool:
             c = ref[b]
             if c == 0:
                 stale[b] = stale.get(b, 0) + 1
+                self._isstale[b] = 1
                 self._nfree -= 1
             ref[b] = c + 1
 
@@ -588,6 +595,8 @@ class FastBlockPool:
         for b, c in self._stale.items():
             if c <= 0 or raw.get(b, 0) != c + (ref[b] == 0):
                 raise GpuInvariantError(f"block {b}: {c} stale entries, {raw.get(b, 0)} in the queue")
+        if sum(self._isstale) != len(self._stale) or any(not self._isstale[b] for b in self._stale):
+            raise GpuInvariantError("the stale flags disagree with the stale entries")
 
     def _check_cache(self) -> None:
         n = 0
@@ -702,6 +711,8 @@ class GpuFastCache:
         self._commit_rules = tuple(
             (self._bs[g], align is not None and layout.eagle_hit[g], align or 1)
             for g in range(ngroups))
+        #: per group, which complete blocks a commit hashes (:attr:`~sim.model.layout.Layout.gpu_cache_masks`)
+        self._masks = layout.gpu_cache_masks
 
     def _skip_rule(self, g: int) -> tuple[int, int, int, int]:
         """``retained_range(g, n)[0]`` as (rule, p): 0: ``max(0, n - p) // bs``
@@ -1195,19 +1206,22 @@ class GpuFastCache:
         done = t.done
         nh = len(block_hashes)
         bhash = pool.bhash
-        layout = self.layout
-        masks = layout.gpu_cache_masks
-        align = layout.gpu_cache_align
+        lists = t.lists
         changed = False
-        for g, (blocks, bs, hpb) in enumerate(zip(t.lists, self._bs, self._hpb, strict=True)):
+        for g in range(len(lists)):
+            blocks = lists[g]
+            bs, eagle, a = self._commit_rules[g]
+            hpb = self._hpb[g]
             d = done[g]
-            upto = num_tokens if align is None else layout.cacheable_tokens(g, num_tokens)
+            upto = num_tokens - num_tokens % a    # Layout.cacheable_tokens, inline
+            if eagle and upto:
+                upto = min(num_tokens, upto + bs)
             n = min(upto // bs, len(blocks), nh // hpb)
             if n <= d:
                 continue
             done[g] = n
             changed = True
-            mask = masks[g]
+            mask = self._masks[g]
             if mask is not None:   # a sliding window hashes only the blocks a hit needs
                 # the kept indices (``i >= shift`` and ``(i - shift) % per >= per - need``)
                 # are the last ``need`` of every ``per``-block segment from ``shift``:
@@ -1217,11 +1231,11 @@ class GpuFastCache:
                 ids: list[int] = []
                 hs: list[int] = []
                 while seg < n:
-                    a = max(d, seg + per - need)
-                    b = min(n, seg + per)
-                    if a < b:
-                        ids += blocks[a:b]
-                        hs += block_hashes[(a + 1) * hpb - 1 : b * hpb : hpb]
+                    lo = max(d, seg + per - need)
+                    hi = min(n, seg + per)
+                    if lo < hi:
+                        ids += blocks[lo:hi]
+                        hs += block_hashes[(lo + 1) * hpb - 1 : hi * hpb : hpb]
                     seg += per
                 if ids:
                     pool.commit_ids(ids, hs, g)

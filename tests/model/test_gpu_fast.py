@@ -60,6 +60,22 @@ def test_pools_run_the_chosen_loops(pool_loops: str) -> None:
     assert pool._ops is (COMPILED if pool_loops == "compiled" else None)
 
 
+def test_compiled_stale_test_reads_one_flag_per_block() -> None:
+    """``_poolops.flagged``: whether a queue piece holds a block flagged stale; an id
+    outside the pool is an error, not a read past the flags."""
+    if COMPILED is None:
+        if os.environ.get("CI"):
+            pytest.fail("sim.model._poolops is not built in CI (pip install -e . compiles it)")
+        pytest.skip("sim.model._poolops not built here")
+    flags = bytearray(8)
+    assert COMPILED.flagged([1, 2, 3], flags) is False
+    flags[3] = 1
+    assert COMPILED.flagged([1, 2, 3], flags) is True
+    assert COMPILED.flagged([], flags) is False
+    with pytest.raises(IndexError):
+        COMPILED.flagged([1, 8], flags)
+
+
 # -- the pair of caches ------------------------------------------------------------------
 
 
