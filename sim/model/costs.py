@@ -126,7 +126,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Literal, Protocol
@@ -572,10 +572,53 @@ class RooflineStepModel:
         host = self.host.step_s + self.host.per_request_s * load.requests + self.scheduler_s(load)
         return host + max(self.compute_s(load), self.memory_s(load), self.launch_s)
 
+    def decode_timer(self, n: int) -> Callable[[float, int, tuple[int, ...]], float]:
+        """:meth:`time` of pure decode steps of ``n`` sequences, as a function of a step's
+        ``(context_tokens, kv_read_bytes, pairs)``: what depends on ``n`` alone (host time,
+        token FLOPs and rate, weights read) is evaluated once, the rest by the same
+        operations in the same order, so every time is bit for bit :meth:`time`'s
+        (tests/model/test_costs.py). A decode fast-forward times each of its steps so."""
+        load = StepLoad(0, n, 0.0, n, 0, ())
+        host = self.host.step_s + self.host.per_request_s * load.requests + self.scheduler_s(load)
+        tokens = load.prefill_tokens + load.decode_seqs
+        flops0 = self.token_flops * tokens + self.sample_flops * load.requests
+        rate = self.token_rate(tokens)
+        weights = self.weights_read(load)
+        bytes_per_s, launch_s = self.bytes_per_s, self.launch_s
+        pair_flops, pair_rates = self.pair_flops, self.pair_flops_per_s
+
+        def timed(context_tokens: float, kv_read_bytes: int, pairs: tuple[int, ...]) -> float:
+            if pair_rates:
+                compute = flops0 / rate
+                for f, m, r in zip(pair_flops, pairs, pair_rates, strict=True):
+                    compute += f * m / r
+            else:
+                flops = flops0
+                for f, m in zip(pair_flops, pairs, strict=True):
+                    flops += f * m
+                compute = flops / rate
+            return host + max(compute, (weights + kv_read_bytes) / bytes_per_s, launch_s)
+
+        return timed
+
+
     def no_forward_s(self, load: StepLoad) -> float:
         """Seconds of a step that runs no forward pass but issues loads: the scheduler's
         fixed time of such a step and its per-block time."""
         return self.host.no_forward_step_s + self.scheduler_s(load)
+
+
+def decode_timer(model: StepTimeModel, n: int) -> Callable[[float, int, tuple[int, ...]], float]:
+    """The time of a pure decode step of ``n`` sequences from its ``(context_tokens,
+    kv_read_bytes, pairs)``: the model's own :meth:`RooflineStepModel.decode_timer` where it
+    has one, else its :meth:`~StepTimeModel.time` of the step's :class:`StepLoad`."""
+    if isinstance(model, RooflineStepModel):
+        return model.decode_timer(n)
+
+    def timed(context_tokens: float, kv_read_bytes: int, pairs: tuple[int, ...]) -> float:
+        return model.time(StepLoad(0, n, context_tokens, n, kv_read_bytes, pairs))
+
+    return timed
 
 
 @dataclass(frozen=True, slots=True)

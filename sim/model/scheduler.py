@@ -119,6 +119,7 @@ from sim.model.costs import (
     TransferPiece,
     attended_tokens,
     attention_pairs,
+    decode_timer,
     kv_terms,
     pieces_per_block,
     prompt_blocks,
@@ -1490,13 +1491,14 @@ class Scheduler:
         ctx, pairs = self.context.decode_runs(running, kmax)
         bpt_total = self.context.bytes_per_token
         ctx0 = ctx[0] / bpt_total
+        timed = decode_timer(cost, n)   # cost.time of each step's StepLoad, its constant part once
         durs: list[float] = []
         t = now
         while len(durs) < kmax:
             if durs and not t < horizon:
                 break
             s = len(durs)
-            d = cost.time(StepLoad(0, n, ctx[s] / bpt_total, n, ctx[s], pairs[s]))
+            d = timed(ctx[s] / bpt_total, ctx[s], pairs[s])
             durs.append(d)
             t = t + d
         k = len(durs)

@@ -28,11 +28,13 @@ from sim.model.costs import (
     HostOverhead,
     ModelShape,
     RooflineStepModel,
+    StepCostModel,
     StepLoad,
     TransferModel,
     attended_tokens,
     attention_pairs,
     chunked_prefill_time,
+    decode_timer,
     pieces_per_block,
     roofline_step_model,
 )
@@ -576,3 +578,30 @@ def test_the_eager_figure_gives_back_its_source() -> None:
     graphs = step_model_for("a100", "qwen2.5-7b").time(one)
     assert 22e-3 <= eager <= 23e-3
     assert abs(graphs / 13e-3 - 1) <= 0.20
+
+
+_pos = st.floats(min_value=1e-3, max_value=1e15, allow_nan=False, allow_infinity=False)
+_pairs = st.lists(st.integers(0, 10**9), min_size=4, max_size=4)
+_decode_steps = st.lists(st.tuples(st.integers(0, 10**12), _pairs), min_size=1, max_size=6)
+
+
+@given(n=st.integers(1, 512), groups=st.integers(1, 4), rates=st.booleans(), idle=st.floats(0.0, 0.99),
+       launch=st.sampled_from([0.0, 0.02]), curve=st.booleans(), token_flops=_pos, weight_bytes=_pos,
+       steps=_decode_steps)
+def test_decode_timer_is_time_bit_for_bit(n, groups, rates, idle, launch, curve, token_flops, weight_bytes,
+                                          steps):
+    """The fast-forward's per-step timer (its constant part evaluated once) gives exactly
+    :meth:`RooflineStepModel.time` of the step's load, whatever the model's terms; a model
+    without one (the linear model) is timed through its own ``time``."""
+    m = RooflineStepModel(token_flops, 5e8, tuple(3e4 * (g + 1) for g in range(groups)), weight_bytes,
+                          1e14, 2e12,
+                          HostOverhead(1e-3, 2e-5, 1e-6, 1.5e-6, 8e-7),
+                          pair_flops_per_s=tuple(6e14 / (g + 1) for g in range(groups)) if rates else (),
+                          expert_bytes=weight_bytes * 0.9, expert_idle=idle,
+                          token_rate_curve=((16, 2e14), (256, 9e14)) if curve else (), launch_s=launch)
+    linear = StepCostModel(1e-3, 2e-6, 3e-5, 4e-9)
+    for model in (m, linear):
+        timed = decode_timer(model, n)
+        for kv, pairs in steps:
+            load = StepLoad(0, n, kv / 7, n, kv, tuple(pairs[:groups]))
+            assert timed(kv / 7, kv, tuple(pairs[:groups])) == model.time(load)
