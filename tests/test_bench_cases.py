@@ -203,3 +203,34 @@ def test_bench_engine_ends_on_ctrl_c_while_py_spy_profiles():
     for pid in pids:   # gone and reaped: a zombie would still take a signal 0
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--limit", "1"], "--limit must be at least 2"),
+    (["--base", "no-such-commit"], "--base: 'no-such-commit' is not a commit of this repository"),
+])
+def test_instructions_script_refuses_bad_arguments(argv: list[str], why: str):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "instructions.py"), *argv],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(why), proc.stderr
+    assert proc.stdout == ""
+
+
+def test_instructions_script_counts_both_codes_of_a_case():
+    """The A/B by instruction counts (valgrind; no build with --sources): HEAD against the
+    working tree on the default study's first requests, a figure for each and their ratio."""
+    import os
+    import shutil
+
+    if shutil.which("valgrind") is None and not os.environ.get("CI"):
+        pytest.skip("valgrind not installed here")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "instructions.py"), "--case", "default", "--limit", "4",
+           "--sources"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(r"^\| (\w+|working tree) \| (.*?) \| ([\d,]+) \| ([\d.]+) \|$", proc.stdout, re.M)
+    assert len(rows) == 2 and rows[1][0] == "working tree", proc.stdout
+    base, new = (int(r[2].replace(",", "")) for r in rows)
+    assert base > 10_000 and new > 10_000   # a replayed request takes far more than start-up noise
+    assert float(rows[1][3]) == pytest.approx(new / base, abs=0.001)

@@ -1,0 +1,128 @@
+"""Instructions per simulated request, a commit against the working tree: an A/B that
+this machine's noise cannot blur.
+
+Wall time on the 2-core VM moves by 20 % from run to run and more over a day, so a
+change worth a few percent cannot be seen in ``bench_engine.py``'s req/s without many
+alternated runs. The number of instructions a replay executes barely moves: this
+script counts them with valgrind's callgrind for one case of ``bench_engine.py``, run
+as it is timed (the fast accounting, compiled modules included), once with the code
+of ``--base`` (a ``git worktree``, its compiled modules built there) and once with the
+working tree (built as installed). Each count is a replay of ``--limit`` requests less
+a replay of one (imports, loading the trace and set-up), divided by ``--limit - 1``.
+Instructions are not time (cache misses and branch mispredictions are not counted),
+but a change that runs fewer of them on the same decisions is faster.
+
+    python benchmarks/instructions.py [--base REV] [--case NAME] [--limit N] [--sources]
+
+``--sources`` compares the Python sources (``KVSIM_PURE=1``) and builds nothing. Needs
+valgrind (``apt install valgrind``). About 3 minutes for the base's build and 1 to 2
+for the counts at the default 400 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import sim.startup  # first: a signal while it starts ends in one line
+from sim.tools.run import child_preexec
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = "benchmarks/bench_engine.py"
+CASES = ("default", "mooncake-spec6", "mooncake-full-attn", "mooncake-deepseek-v4", "azure-conv-llama8b")
+
+
+def count(tree: Path, case: str, limit: int, sources: bool) -> tuple[int, list[str]]:
+    """Instructions callgrind counts for ``bench_engine.py --child case --limit limit`` run
+    with the code in ``tree``, and the modules that ran compiled."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-callgrind-") as tmp:
+        out = Path(tmp) / "callgrind.out"
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
+        if sources:
+            env["KVSIM_PURE"] = "1"
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+               str(tree / BENCH), "--child", case, "--accounting", "fast", "--limit", str(limit)]
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False,
+                              preexec_fn=child_preexec)
+        found = re.search(r"Collected\s*:\s*(\d+)", proc.stderr)
+        if proc.returncode != 0 or found is None:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"callgrind of {case} ({tree}) failed (exit {proc.returncode}): {tail}")
+        figures = json.loads(proc.stdout.strip().splitlines()[-1])
+        return int(found.group(1)), figures["compiled"]
+
+
+def per_request(tree: Path, case: str, limit: int, sources: bool) -> tuple[float, list[str]]:
+    """Instructions per simulated request (``limit`` requests less one, both counted at
+    once) and the modules that ran compiled."""
+    with ThreadPoolExecutor(2) as pool:
+        (whole, compiled), (one, _) = pool.map(lambda n: count(tree, case, n, sources), (limit, 1))
+    return (whole - one) / (limit - 1), compiled
+
+
+def build(tree: Path) -> None:
+    """Compile ``tree``'s hot modules in place, as ``pip install`` does (mypyc and the C loops)."""
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                          capture_output=True, text=True, check=False, preexec_fn=child_preexec)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"building {tree} failed: {tail}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="the commit to compare with (default HEAD)")
+    ap.add_argument("--case", default="mooncake-spec6", choices=CASES, help="the bench_engine.py case")
+    ap.add_argument("--limit", type=int, default=400, help="requests replayed (default 400)")
+    ap.add_argument("--sources", action="store_true", help="compare the Python sources (KVSIM_PURE=1)")
+    args = ap.parse_args()
+    if args.limit < 2:
+        ap.error("--limit must be at least 2")
+    rev = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    if rev.returncode != 0:
+        ap.error(f"--base: {args.base!r} is not a commit of this repository")
+    if shutil.which("valgrind") is None:
+        ap.error("valgrind is not installed (apt install valgrind)")
+    sha = rev.stdout.strip()
+    what = "sources (KVSIM_PURE=1)" if args.sources else "compiled modules"
+    print(f"{args.case}, {args.limit:,} requests, fast accounting, {what}; callgrind instructions")
+    with tempfile.TemporaryDirectory(prefix="kvsim-instructions-") as tmp:
+        tree = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            if not args.sources:
+                print(f"building {sha[:10]} ...", flush=True)
+                build(tree)
+            print("counting ...", flush=True)
+            base, base_compiled = per_request(tree, args.case, args.limit, args.sources)
+            new, new_compiled = per_request(ROOT, args.case, args.limit, args.sources)
+        except RuntimeError as exc:
+            print(f"instructions: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False,
+                           capture_output=True)
+    def ran(compiled: list[str]) -> str:
+        return ", ".join(m.rpartition(".")[2] for m in compiled) or "none"
+
+    print(f"\n| code | ran compiled | instructions per request | x base |\n|---|---|---:|---:|\n"
+          f"| {sha[:10]} | {ran(base_compiled)} | {base:,.0f} | 1.000 |\n"
+          f"| working tree | {ran(new_compiled)} | {new:,.0f} | {new / base:.3f} |")
+    if not args.sources and base_compiled != new_compiled:
+        print("the two ran different modules compiled: a source edited since `pip install -e .` "
+              "runs as Python (rebuild: python setup.py build_ext --inplace)")
+    return 0
+
+
+if __name__ == "__main__":
+    sim.startup.run_script(main)
