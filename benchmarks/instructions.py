@@ -22,14 +22,15 @@ for the counts at the default 400 requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import sim.startup  # first: a signal while it starts ends in one line
@@ -40,40 +41,63 @@ BENCH = "benchmarks/bench_engine.py"
 CASES = ("default", "mooncake-spec6", "mooncake-full-attn", "mooncake-deepseek-v4", "azure-conv-llama8b")
 
 
-def count(tree: Path, case: str, limit: int, sources: bool) -> tuple[int, list[str]]:
-    """Instructions callgrind counts for ``bench_engine.py --child case --limit limit`` run
-    with the code in ``tree``, and the modules that ran compiled."""
-    with tempfile.TemporaryDirectory(prefix="kvsim-callgrind-") as tmp:
-        out = Path(tmp) / "callgrind.out"
-        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
-        if sources:
-            env["KVSIM_PURE"] = "1"
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-               str(tree / BENCH), "--child", case, "--accounting", "fast", "--limit", str(limit)]
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False,
-                              preexec_fn=child_preexec)
-        found = re.search(r"Collected\s*:\s*(\d+)", proc.stderr)
-        if proc.returncode != 0 or found is None:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"callgrind of {case} ({tree}) failed (exit {proc.returncode}): {tail}")
-        figures = json.loads(proc.stdout.strip().splitlines()[-1])
-        return int(found.group(1)), figures["compiled"]
+def _start(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``cmd`` in a process group of its own (:func:`_finish` kills it whole on the way
+    out: a build's compiler processes would otherwise hold its output pipes open, and run
+    on, after the build itself was killed)."""
+    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=child_preexec, start_new_session=True)  # noqa: PLW1509 -- no threads
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+    """Wait for ``procs``: each one's exit code, output and errors; on the way out (Ctrl-C,
+    an error) every process group still running is killed and reaped."""
+    done: list[tuple[int, str, str]] = []
+    try:
+        for p in procs:   # outputs are short (a build's is read as it comes): one at a time
+            out, err = p.communicate()
+            done.append((p.returncode, out, err))
+        return done
+    except BaseException:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        raise
+
+
+def _callgrind(tree: Path, case: str, limit: int, sources: bool, out: Path) -> subprocess.Popen[str]:
+    """Start callgrind on ``bench_engine.py --child case --limit limit`` run with the code in ``tree``."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
+    if sources:
+        env["KVSIM_PURE"] = "1"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+           str(tree / BENCH), "--child", case, "--accounting", "fast", "--limit", str(limit)]
+    return _start(cmd, tree, env)
 
 
 def per_request(tree: Path, case: str, limit: int, sources: bool) -> tuple[float, list[str]]:
     """Instructions per simulated request (``limit`` requests less one, both counted at
-    once) and the modules that ran compiled."""
-    with ThreadPoolExecutor(2) as pool:
-        (whole, compiled), (one, _) = pool.map(lambda n: count(tree, case, n, sources), (limit, 1))
-    return (whole - one) / (limit - 1), compiled
+    once, side by side) and the modules that ran compiled."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-callgrind-") as tmp:
+        procs = [_callgrind(tree, case, n, sources, Path(tmp) / f"callgrind.{n}") for n in (limit, 1)]
+        counts: list[int] = []
+        compiled: list[str] = []
+        for rc, out, err in _finish(procs):
+            found = re.search(r"Collected\s*:\s*(\d+)", err)
+            if rc != 0 or found is None:
+                tail = (err.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"callgrind of {case} ({tree}) failed (exit {rc}): {tail}")
+            counts.append(int(found.group(1)))
+            compiled = compiled or json.loads(out.strip().splitlines()[-1])["compiled"]
+    return (counts[0] - counts[1]) / (limit - 1), compiled
 
 
 def build(tree: Path) -> None:
     """Compile ``tree``'s hot modules in place, as ``pip install`` does (mypyc and the C loops)."""
-    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
-                          capture_output=True, text=True, check=False, preexec_fn=child_preexec)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    [(rc, _, err)] = _finish([_start([sys.executable, "setup.py", "build_ext", "--inplace"], tree)])
+    if rc != 0:
+        tail = (err.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"building {tree} failed: {tail}")
 
 

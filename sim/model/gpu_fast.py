@@ -44,9 +44,10 @@ Compiled loops (optional)
     handing blocks out, :meth:`FastBlockPool.free`, :meth:`FastBlockPool.commit_ids`,
     and the test of a free-queue piece for stale entries, a flag byte per block where
     Python probes the stale dict) also exist in C (``sim/model/_poolops.c``, built by
-    ``pip install`` where a C compiler is at hand; ``setup.py`` marks it optional). They read and write the
-    same lists, bytearrays and dicts as the Python loops, block by block in the
-    same order, and call back into this module for the rare duplicate-hash case.
+    ``pip install`` where a C compiler is at hand; ``setup.py`` marks it optional).
+    They read and write the same lists, bytearrays and dicts as the Python loops,
+    block by block in the same order, and call back into this module for the rare
+    duplicate-hash case.
     Without the build, or with ``KVSIM_PURE_POOL=1``, the Python loops run;
     :func:`pool_loops` picks either for the pools built inside it.
     ``tests/model/test_gpu_fast.py`` runs its whole differential test once with
