@@ -323,14 +323,14 @@ def main() -> None:
             child_preexec()   # started by py-spy: die with it, as py-spy dies with the script
         child(args.child, args.limit, args.profile, (args.accounting or ["fast"])[0])
         return
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, pid {os.getpid()}")
-    print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     if args.profile_limit < 0:
         ap.error("--profile-limit must be 0 (no profile) or more")
     check_cases([*dict.fromkeys(args.case or list(CASES))]
                 + ([args.profile_case] if args.profile_limit else []), ap)
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, pid {os.getpid()}")
+    print(f"target: >= {TARGET_RPS:,.0f} simulated requests / wall s, <= {TARGET_RSS_MB:.0f} MB peak RSS")
     combos = [(case, accounting) for case in args.case or list(CASES)
               for accounting in args.accounting or ACCOUNTINGS]
     runs: dict[tuple[str, str], list[dict]] = {c: [] for c in combos}

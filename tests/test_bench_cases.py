@@ -234,3 +234,15 @@ def test_instructions_script_counts_both_codes_of_a_case():
     base, new = (int(r[2].replace(",", "")) for r in rows)
     assert base > 10_000 and new > 10_000   # a replayed request takes far more than start-up noise
     assert float(rows[1][3]) == pytest.approx(new / base, abs=0.001)
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--profile-limit", "-1"], "--profile-limit must be 0 (no profile) or more"),
+])
+def test_bench_engine_refuses_bad_arguments_before_printing(argv: list[str], why: str):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--case", "default", *argv]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(why), proc.stderr
+    assert proc.stdout == ""
