@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import ctypes
 import json
 import os
 import pstats
@@ -255,6 +256,7 @@ def _native_profile(spy: str, case: str, limit: int) -> str:
         cmd = [spy, "record", "--native", "--rate", "250", "--format", "raw", "--output", str(raw),
                "--", sys.executable, __file__, "--child", case, "--accounting", "fast", "--limit", str(limit)]
         env = dict(os.environ, KVSIM_BENCH_CHILD="1")
+        _adopt_orphans()
         # a session of its own: py-spy stops at a Ctrl-C to the terminal's group by exiting at
         # once, without its child; the script ends both instead (:func:`_end_py_spy`)
         proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -270,21 +272,37 @@ def _native_profile(spy: str, case: str, limit: int) -> str:
         return summarize_native(raw.read_text())
 
 
+#: prctl option: orphans of this process's descendants become its children, not init's
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """Make this script the reaper of its descendants' orphans (Linux): py-spy may exit
+    without reaping the run it sampled, which then waits as a zombie for init; adopted, it
+    is reaped by :func:`_end_py_spy` before the script exits."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def _end_py_spy(proc: subprocess.Popen) -> None:
-    """End a py-spy run on the way out (Ctrl-C): its child first, which py-spy then reaps
-    before it exits (killed first, py-spy would leave the child to die with it unreaped)."""
+    """End a py-spy run on the way out (Ctrl-C): its child first, then py-spy, then the child
+    again if py-spy left it unreaped (adopted: :func:`_adopt_orphans`)."""
     try:
-        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     except OSError:
         kids = []
     for kid in kids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(kid), signal.SIGKILL)
+            os.kill(kid, signal.SIGKILL)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    for kid in kids:
+        with contextlib.suppress(ChildProcessError):   # reaped by py-spy already
+            os.waitpid(kid, 0)
 
 
 def _run_child(case: str, accounting: str, limit: int | None, profile: bool = False) -> tuple[dict, str]:
