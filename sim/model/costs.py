@@ -577,7 +577,7 @@ class RooflineStepModel:
         ``(context_tokens, kv_read_bytes, pairs)``: what depends on ``n`` alone (host time,
         token FLOPs and rate, weights read) is evaluated once, the rest by the same
         operations in the same order, so every time is bit for bit :meth:`time`'s
-        (tests/model/test_costs.py). A decode fast-forward times each of its steps so."""
+        (tests/model/test_costs_roofline.py). A decode fast-forward times each of its steps so."""
         load = StepLoad(0, n, 0.0, n, 0, ())
         host = self.host.step_s + self.host.per_request_s * load.requests + self.scheduler_s(load)
         tokens = load.prefill_tokens + load.decode_seqs
@@ -600,7 +600,6 @@ class RooflineStepModel:
             return host + max(compute, (weights + kv_read_bytes) / bytes_per_s, launch_s)
 
         return timed
-
 
     def no_forward_s(self, load: StepLoad) -> float:
         """Seconds of a step that runs no forward pass but issues loads: the scheduler's

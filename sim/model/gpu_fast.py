@@ -469,12 +469,7 @@ class FastBlockPool:
             if self.bhash[b] is None or not self.enable_caching:
                 self._prepend([b])
             else:
-                q = self._queue
-                if q and len(q[-1]) < self.CHUNK:
-                    q[-1].append(b)
-                else:
-                    q.append([b])
-                self._nfree += 1
+                self._enqueue([b])
         elif c > 1:
             ref[b] = c - 1
         elif c != 1:
