@@ -116,17 +116,17 @@ def _install(counts: collections.Counter[str]) -> None:
     cpu.touch, cpu.lookup = touch_counted, lookup_counted  # type: ignore[method-assign]
 
     sched = scheduler.Scheduler
-    schedule, ff_step = sched.schedule, sched.fast_forward_step
+    schedule, ff_finish = sched.schedule, sched.finish_fast_forward
 
     def schedule_counted(self: scheduler.Scheduler, now: float) -> scheduler.StepPlan:
         counts["full steps"] += 1
         return schedule(self, now)
 
-    def ff_counted(self: scheduler.Scheduler, ff: scheduler.FastForward, s: int) -> None:
-        counts["fast-forward steps"] += 1
-        ff_step(self, ff, s)
+    def ff_counted(self: scheduler.Scheduler, ff: scheduler.FastForward) -> None:
+        counts["fast-forward steps"] += ff.k
+        ff_finish(self, ff)
 
-    sched.schedule, sched.fast_forward_step = schedule_counted, ff_counted  # type: ignore[method-assign]
+    sched.schedule, sched.finish_fast_forward = schedule_counted, ff_counted  # type: ignore[method-assign]
 
 
 def _count(case: str, limit: int | None, counts: collections.Counter[str]) -> int:

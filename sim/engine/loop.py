@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -152,6 +152,17 @@ class CopyPathConfig:
     device: str = "auto"
     timing: Literal["model", "measured"] = "model"
     memory_limit_bytes: int | None = None
+
+
+def one_event_delay(start: float, durations: Sequence[float]) -> float | None:
+    """The delay of one event that ends at the time where events of ``durations``, one
+    after the other from ``start``, end (the clock adds each delay to its time, in
+    floating point), or None when no delay added to ``start`` gives that time."""
+    end = start
+    for d in durations:
+        end += d
+    delay = end - start
+    return delay if start + delay == end else None
 
 
 @dataclass(frozen=True)
@@ -533,9 +544,20 @@ class Engine:
         if ff is None:
             return 0
         start = env.now
-        for s, dur in enumerate(ff.durations):
-            sched.fast_forward_step(ff, s)
-            yield At(env, dur, LATE)
+        delay = one_event_delay(start, ff.durations)
+        if delay is not None:
+            # One event for the k steps. Stepping would make one per step, but nothing
+            # else happens until the last one: every other event falls at or after the
+            # horizon, and each step starts before it, so every step is applied before
+            # any other event in both ways; their order at the end is the same too
+            # (what else falls there was scheduled before the run or after the last
+            # step started).
+            sched.fast_forward_all(ff)
+            yield At(env, delay, LATE)
+        else:   # no one delay lands on the float that stepping reaches
+            for s, dur in enumerate(ff.durations):
+                sched.fast_forward_step(ff, s)
+                yield At(env, dur, LATE)
         sched.finish_fast_forward(ff)
         k, n = ff.k, len(ff.running)
         self.step_no += k

@@ -59,8 +59,9 @@ What it models
         arrival, transfer completion or occupancy sample) and fit in the
         free blocks; :meth:`Scheduler.fast_forward_step` applies step ``s``
         (only requests that cross a block boundary do work, in the exact
-        order stepping would) and :meth:`Scheduler.finish_fast_forward` the
-        end of the run. Results are identical to stepping (tested).
+        order stepping would), :meth:`Scheduler.fast_forward_all` every step
+        at once, and :meth:`Scheduler.finish_fast_forward` the end of the
+        run. Results are identical to stepping (tested).
 
     Hooks (:class:`SchedulerHooks`) let the engine see, in order, the events
     rows, the releases of requests, and the points where the copy path
@@ -1578,6 +1579,13 @@ class Scheduler:
             nxt = s + wait if wait > 1 else s + 1
             if nxt < k:
                 heappush(heap, (nxt, i))
+
+    def fast_forward_all(self, ff: FastForward) -> None:
+        """Apply all ``k`` steps of ``ff``: what :meth:`fast_forward_step` does for
+        ``s`` in ``range(ff.k)``, visiting only the steps where a request is due."""
+        heap, k = ff.heap, ff.k
+        while heap and heap[0][0] < k:
+            self.fast_forward_step(ff, heap[0][0])
 
     def _decode_step(self, r: LiveRequest, nc: int, acc: list[list[int]]) -> tuple[int, int] | None:
         """A due request's decode step with ``nc`` computed tokens (the reference

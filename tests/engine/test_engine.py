@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from sim.engine.loop import ArrivalPath, Engine, EngineConfig, InvariantViolation, simulate
+from sim.engine import loop
+from sim.engine.loop import ArrivalPath, Engine, EngineConfig, InvariantViolation, one_event_delay, simulate
 from sim.engine.metrics import MemorySink, Recorder
 from sim.io.workload import MultiTurnParams, Request, iter_multiturn
 from sim.model.costs import HostOverhead, RooflineStepModel, StepCostModel, TransferModel
@@ -160,6 +163,39 @@ FF_CASES = {
         step_cost=RooflineStepModel(2e9, 5e8, (3e4, 3e4, 9e4), 4e9, 1e14, 2e12, HostOverhead(1e-3, 2e-5)),
         h2d=TransferModel(1e9, 1e-4, 3e-6, 0.5), d2h=TransferModel(1e9, 1e-4, 3e-6, 0.9)),
 }
+
+
+@given(start=st.floats(0.0, 1e5), durations=st.lists(st.floats(1e-9, 10.0), min_size=1, max_size=40))
+def test_one_event_delay_lands_where_one_event_per_step_would(start: float, durations: list[float]) -> None:
+    """The fast-forward's one event ends on the very float that k events, each adding its
+    duration to the clock, reach; where no delay does, there is none."""
+    end = start
+    for d in durations:
+        end += d
+    delay = one_event_delay(start, durations)
+    assert delay is None or start + delay == end
+    if start == 0.0:
+        assert delay == end
+
+
+def test_one_event_delay_refuses_a_sum_it_cannot_reach() -> None:
+    # 0.1 + 0.2 + 0.05 is 0.35000000000000003 step by step; 0.1 + (that - 0.1) is 0.35
+    assert one_event_delay(0.1, [0.2, 0.05]) is None
+    assert one_event_delay(1.0, [0.25, 0.5]) == 0.75
+
+
+def test_fast_forward_in_one_event_is_one_event_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's two ways of running a fast-forward (one event for its k steps, or one
+    per step where one delay cannot land on the same float) give the same run."""
+    cfg = FF_CASES["spec6-old"]
+    reqs = _workload(seed=7, n=60, tph=cfg.layout.tokens_per_hash)
+    one, s_one = run(cfg, reqs)
+    monkeypatch.setattr(loop, "one_event_delay", lambda start, durations: None)
+    per_step, s_per_step = run(cfg, reqs)
+    for table in ("requests", "transfers", "events", "occupancy", "steps"):
+        pd.testing.assert_frame_equal(one[table], per_step[table], check_exact=True)
+    assert s_one == s_per_step
+    assert (one["steps"].n_steps > 1).any()
 
 
 @pytest.mark.parametrize("case", sorted(FF_CASES))

@@ -384,9 +384,11 @@ def test_a_chunked_prefill_that_outgrows_the_pool_alone_is_rejected() -> None:
     assert w.sched.invariant_problems() == []
 
 
-def test_fast_forward_is_stepping_in_one_go() -> None:
+@pytest.mark.parametrize("apply", ["step by step", "all at once"])
+def test_fast_forward_is_stepping_in_one_go(apply: str) -> None:
     """Two decoding requests, 1 s steps, a horizon at 3.5 s: 4 steps start
-    before it. Applying them step by step gives the state plain steps give."""
+    before it. Applying them step by step (``fast_forward_step``), or all at once
+    (``fast_forward_all``, as the engine does), gives the state plain steps give."""
     def world() -> tuple[World, list[LiveRequest]]:
         w = World(gpu_blocks=101, offloading=False, step_cost=StepCostModel(overhead_s=1.0))
         rs = [w.add("a", 60, 20, prefix=1), w.add("b", 30, 20, prefix=2)]
@@ -398,8 +400,12 @@ def test_fast_forward_is_stepping_in_one_go() -> None:
     assert sched.can_fast_forward()
     ff = sched.plan_fast_forward(1.0, 4.5)
     assert ff is not None and ff.durations == (1.0, 1.0, 1.0, 1.0) and ff.context0 == 61 + 31
-    for s in range(ff.k):
-        sched.fast_forward_step(ff, s)
+    if apply == "all at once":
+        sched.fast_forward_all(ff)
+    else:
+        for s in range(ff.k):
+            sched.fast_forward_step(ff, s)
+    assert not ff.heap   # every request's due steps were applied
     sched.finish_fast_forward(ff)
     step_world, step_reqs = world()
     for _ in range(4):
