@@ -67,7 +67,7 @@ class World:
 
 
 def batch(plan: StepPlan) -> list[tuple[str, int]]:
-    return [(s.request.req_id, s.num_new_tokens) for s in plan.scheduled]
+    return [(r.req_id, num_new) for r, num_new, _ in plan.scheduled]
 
 
 def test_chunked_prefill_takes_the_budget_per_step_then_decodes() -> None:
@@ -79,11 +79,11 @@ def test_chunked_prefill_takes_the_budget_per_step_then_decodes() -> None:
     plan, _ = w.step()
     assert batch(plan) == [("a", 64)] and plan.admitted == (a,)
     assert plan.prefill_tokens == 64 and plan.decode_seqs == 0 and plan.context_tokens == 64.0
-    assert plan.scheduled[0].new_block_ids is None      # a new request: the connector syncs all its blocks
+    assert plan.scheduled[0][2] is None      # a new request: the connector syncs all its blocks
     assert a.status is RequestStatus.RUNNING and a.num_computed == 64 and w.blocks("a") == 4
     assert a.scheduled_s == 0.0
     plan, _ = w.step()
-    assert batch(plan) == [("a", 64)] and plan.scheduled[0].new_block_ids == ((5, 6, 7, 8),)
+    assert batch(plan) == [("a", 64)] and plan.scheduled[0][2] == ((5, 6, 7, 8),)
     assert a.num_computed == 128 and a.generated == 0 and w.blocks("a") == 8
     plan, _ = w.step()
     assert batch(plan) == [("a", 22)] and plan.prefill_tokens == 22
@@ -165,7 +165,7 @@ def test_async_load_waits_for_kv_until_its_completion_is_applied() -> None:
     assert out.polled == 1 and b.load_ready and not w.sched.in_flight
     assert not plan.scheduled and b.status is RequestStatus.WAITING_FOR_KV
     plan, _ = w.step()
-    assert batch(plan) == [("b", 8)] and plan.scheduled[0].new_block_ids == ((5,),)
+    assert batch(plan) == [("b", 8)] and plan.scheduled[0][2] == ((5,),)
     assert b.status is RequestStatus.RUNNING and b.num_computed == 72 and b.generated == 1
     assert b.first_token_s == 4.0 and b.computed_tokens == 8 and b.gpu_hit_tokens == 0
 
