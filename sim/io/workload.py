@@ -52,9 +52,9 @@ What it models
 Simplifications
     * Mooncake: the sub-hashes of trace block ``h`` are ``mix(h) XOR K[j]``
       for a fixed table ``K`` of pseudo-random 63-bit constants, not a
-      per-token chain; this keeps the expansion cheap (one big-int XOR per
-      new block, a small LRU cache of expanded blocks) and is equivalent
-      for prefix matching because ``h`` already names the whole prefix.
+      per-token chain; this keeps the expansion cheap (a record's blocks in
+      one numpy pass) and is equivalent for prefix matching because ``h``
+      already names the whole prefix.
       Two different trace files replayed in one run share trace-id space.
     * Hash collisions are possible in principle (63-bit values) and ignored.
     * Multi-turn: lengths are lognormal, the turn count is ``1 +`` geometric
@@ -91,11 +91,12 @@ import math
 import random
 import sys
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from sim.errors import InputError
 from sim.io.traces import (
@@ -142,9 +143,6 @@ _TAG_SYSTEM = 0x3C6EF372
 _TAG_SESSION = 0x7F4A7C15
 _TAG_START = 0x61C88647
 
-# Expanded trace blocks kept per iter_mooncake() call (each is an array of
-# block_tokens // tokens_per_hash hashes: 512 bytes at tokens_per_hash 8).
-_BLOCK_CACHE_SIZE = 8192
 
 
 def _mix64(z: int) -> int:
@@ -202,6 +200,33 @@ def _xor_run(m: int, n: int) -> bytes:
     return raw
 
 
+# n -> K[0..n) as a numpy array (_xor_runs)
+_LANES: dict[int, np.ndarray[Any, np.dtype[np.uint64]]] = {}
+
+
+def _xor_runs(ms: np.ndarray[Any, np.dtype[np.uint64]], n: int) -> bytes:
+    """``_xor_run(m, n)`` for every ``m`` of ``ms``, one after the other, in one array operation."""
+    lanes = _LANES.get(n)
+    if lanes is None:
+        lanes = _LANES[n] = np.array(_positions(n), dtype=np.uint64)
+    return (ms[:, None] ^ lanes[None, :]).astype(np.int64).tobytes()
+
+
+_U30, _U27, _U31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_MUL1, _MUL2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64_array(z: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """:func:`_mix64` of each element, in place (numpy's uint64 arithmetic wraps modulo
+    2**64, as the masks do)."""
+    z ^= z >> _U30
+    z *= _MUL1
+    z ^= z >> _U27
+    z *= _MUL2
+    z ^= z >> _U31
+    return z
+
+
 def _str_salt(text: str) -> int:
     """A stable 63-bit value for a string (blake2b, not Python's hash())."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") & _MASK63
@@ -227,28 +252,29 @@ class _Expander:
         self.block_salt = chain_hash(_TAG_TRACE_BLOCK, tph)
         self.group_salt = chain_hash(_TAG_TRACE_BLOCK ^ _TAG_SYSTEM, tph)
         self.stream_salt = chain_hash(_str_salt(id_prefix), tph)
-        self.cache: OrderedDict[int, bytes] = OrderedDict()
 
     def _block(self, h: int, per_block: int) -> bytes:
-        cache = self.cache
-        sub = cache.get(h)
-        if sub is None:
-            sub = _xor_run(_mix64(h ^ self.block_salt) & _MASK63, per_block)
-            cache[h] = sub
-            if len(cache) > _BLOCK_CACHE_SIZE:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(h)
-        return sub
+        """The sub-hashes of trace block ``h`` (the definition; :meth:`_blocks` computes the same)."""
+        return _xor_run(_mix64(h ^ self.block_salt) & _MASK63, per_block)
+
+    def _blocks(self, ids: Sequence[int], per_block: int) -> bytes:
+        """:meth:`_block` of each of ``ids``, concatenated: in one numpy pass where every
+        id is a 64-bit unsigned int (a trace's ids are), else id by id."""
+        try:
+            h = np.fromiter(ids, dtype=np.uint64, count=len(ids))
+        except (OverflowError, TypeError, ValueError):   # negative, 2**64 or more, or not an int
+            return b"".join(self._block(x, per_block) for x in ids)
+        h ^= np.uint64(self.block_salt)
+        return _xor_runs(_mix64_array(h) & np.uint64(_MASK63), per_block)
 
     def hashes(self, line: int, inp: int, out: int, ids: Sequence[int] | None, block_tokens: int | None,
                group: int | None = None, group_tokens: int | None = None) -> array[int]:
         tph = self.tph
         hashes: array[int] = array("q")
         if ids is not None and block_tokens:
-            per_block = block_tokens // tph
-            for h in ids[: inp // block_tokens]:
-                hashes.frombytes(self._block(h, per_block))
+            full = ids[: inp // block_tokens]
+            if full:
+                hashes.frombytes(self._blocks(full, block_tokens // tph))
         elif group is not None and group_tokens:
             n = min(group_tokens, inp) // tph
             if n:

@@ -10,17 +10,21 @@ import sys
 import threading
 import time
 import tracemalloc
+from array import array
 from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sim.errors import InputError
 from sim.io.workload import (
     MultiTurnParams,
     Request,
+    _Expander,
     chain_hash,
     iter_mooncake,
     iter_multiturn,
@@ -163,6 +167,23 @@ def test_sub_hashes_depend_only_on_trace_id_and_position(tmp_path: Path) -> None
     a, b = iter_mooncake(p, 128)
     assert list(a.block_hashes) == list(b.block_hashes[:8])
     assert len(set(b.block_hashes)) == len(b.block_hashes)
+
+
+@given(ids=st.lists(st.integers(0, 2**64 - 1) | st.integers(-(2**70), 2**70), max_size=40),
+       per_block=st.integers(1, 80))
+def test_trace_blocks_expand_at_once_as_one_by_one(ids: list[int], per_block: int) -> None:
+    """A record's trace blocks are expanded in one numpy pass (``_blocks``) where every id
+    is a 64-bit unsigned int, else one by one: the same bytes as the definition (``_block``)."""
+    e = _Expander(8, "r")
+    assert e._blocks(ids, per_block) == b"".join(e._block(h, per_block) for h in ids)
+
+
+def test_trace_block_expansion_is_pinned() -> None:
+    """The sub-hashes of trace blocks 7 and 2**64 - 1 (as every earlier version computed
+    them): a faster expansion must not change any replay's hashes."""
+    out = array("q")
+    out.frombytes(_Expander(8, "r")._blocks([7, 2**64 - 1], 64))
+    assert (out[0], out[63], out[64]) == (2486824187403066049, 5881847838151120640, 3302426910161655914)
 
 
 def test_trailing_partial_smaller_than_a_hash_block(tmp_path: Path) -> None:
