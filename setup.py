@@ -1,8 +1,8 @@
 """The optional compiled parts of kvsim (everything else is in pyproject.toml).
 
 * ``sim/model/_poolops.c``: the GPU block pool's per-block loops.
-* The modules of ``sim._native.NATIVE_MODULES`` (the scheduler and the fast GPU
-  cache), compiled from their own source by mypyc, with ``sim/_native_stamp.py``
+* The modules of ``sim._native.NATIVE_MODULES`` (the scheduler, the fast GPU
+  cache and the request), compiled from their own source by mypyc, with ``sim/_native_stamp.py``
   recording the SHA-256 of each source compiled.
 
 Both are optional: without a C compiler or mypy (or with ``KVSIM_PURE=1`` set at

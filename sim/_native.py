@@ -37,6 +37,7 @@ from types import ModuleType
 
 #: The modules ``setup.py`` compiles, in dependency order (source paths: :func:`source_path`).
 NATIVE_MODULES: tuple[str, ...] = (
+    "sim.model.request",
     "sim.model.gpu_fast",
     "sim.model.scheduler",
 )

@@ -440,12 +440,13 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
     assert ctx.attended(5) == 5 * 10 + 5 * 3 + 5 * 2 + 5 * 5
 
     # the vectorised form used by fast-forward agrees with the scalar one
-    class R:
-        def __init__(self, nc: int) -> None:
-            self.num_computed = nc
+    def live(nc: int) -> LiveRequest:
+        r = LiveRequest(Request(f"r{nc}", 0.0, 1000, 100, [0] * (1100 // 16)), 16)
+        r.num_computed = nc
+        return r
 
-    rs = [R(3), R(63), R(127), R(900)]
-    runs = ctx.attended_runs(rs, 70)  # type: ignore[arg-type]
+    rs = [live(3), live(63), live(127), live(900)]
+    runs = ctx.attended_runs(rs, 70)
     assert runs == [sum(ctx.attended(r.num_computed + 1 + s) for r in rs) for s in range(70)]
     # a full-attention-only layout keeps the plain token count
     fa_only = AttendedContext(FA16)
@@ -463,7 +464,7 @@ def test_attended_context_counts_what_each_kind_reads() -> None:
         200 + 1,                                              # mamba: a state update per token
     )
     # fast-forward's vectorised decode loads are the same integers as stepping's
-    bytes_, pairs = ctx.decode_runs(rs, 70)  # type: ignore[arg-type]
+    bytes_, pairs = ctx.decode_runs(rs, 70)
     for s in range(70):
         step = ctx.load([(r.num_computed + s, 1, True) for r in rs])
         assert (bytes_[s], pairs[s]) == (step.kv_read_bytes, step.pairs)
