@@ -292,14 +292,24 @@ class AdmitOutcome(Enum):
     REJECTED = "rejected"
 
 
-@dataclass(frozen=True, slots=True)
 class Admission:
-    """The result of one admission attempt (tokens, blocks and load when admitted)."""
+    """The result of one admission attempt (tokens, blocks and load when admitted).
 
-    outcome: AdmitOutcome
-    num_new_tokens: int = 0
-    new_block_ids: BlockIds | None = None
-    load: LoadPlan | None = None
+    Read-only by convention. This and the other records made at every step
+    (:class:`TransferJob`, :class:`StepPlan`, :class:`StepOutput`) are plain classes
+    with their own ``__init__``, not frozen dataclasses: compiled, such an
+    ``__init__`` writes the fields directly, where a frozen dataclass's runs as Python
+    code that sets each field through ``object.__setattr__`` (eight times the cost
+    of a plain one's, before compiling)."""
+
+    __slots__ = ("load", "new_block_ids", "num_new_tokens", "outcome")
+
+    def __init__(self, outcome: AdmitOutcome, num_new_tokens: int = 0, new_block_ids: BlockIds | None = None,
+                 load: LoadPlan | None = None) -> None:
+        self.outcome = outcome
+        self.num_new_tokens = num_new_tokens
+        self.new_block_ids = new_block_ids
+        self.load = load
 
 
 _DEFER = Admission(AdmitOutcome.DEFER)
@@ -314,28 +324,36 @@ made per request and step, and a ``NamedTuple``'s constructor is Python code eve
 the compiled module (about ten times a tuple's cost)."""
 
 
-@dataclass(frozen=True, slots=True)
 class TransferJob:
-    """A load (``h2d``) or store (``d2h``) job to submit, with its size."""
+    """A load (``h2d``) or store (``d2h``) job to submit, with its size (read-only by
+    convention, see :class:`Admission`).
 
-    job_id: int
-    req_id: str
-    direction: Literal["h2d", "d2h"]
-    chunks: int
-    blocks: int
-    nbytes: int
-    plan: LoadPlan | StorePlan
-    #: separate copies vLLM makes for the job (a page per layer per block, or a packed block)
-    pieces: int = 0
+    Attributes:
+        pieces: separate copies vLLM makes for the job (a page per layer per block,
+            or a packed block).
+    """
+
+    __slots__ = ("blocks", "chunks", "direction", "job_id", "nbytes", "pieces", "plan", "req_id")
+
+    def __init__(self, job_id: int, req_id: str, direction: Literal["h2d", "d2h"], chunks: int, blocks: int,
+                 nbytes: int, plan: LoadPlan | StorePlan, pieces: int = 0) -> None:
+        self.job_id = job_id
+        self.req_id = req_id
+        self.direction = direction
+        self.chunks = chunks
+        self.blocks = blocks
+        self.nbytes = nbytes
+        self.plan = plan
+        self.pieces = pieces
 
 
 #: the load of a step that computes nothing
 _NO_LOAD = StepLoad()
 
 
-@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What one step runs (vLLM's ``SchedulerOutput`` plus the connector's metadata).
+    """What one step runs (vLLM's ``SchedulerOutput`` plus the connector's metadata;
+    read-only by convention, see :class:`Admission`).
 
     Attributes:
         scheduled: the requests of the forward pass, in batch order.
@@ -353,16 +371,34 @@ class StepPlan:
             nothing else of the plan is set.
     """
 
-    scheduled: tuple[Scheduled, ...] = ()
-    admitted: tuple[LiveRequest, ...] = ()
-    preempted: tuple[LiveRequest, ...] = ()
-    loads: tuple[TransferJob, ...] = ()
-    stores: tuple[TransferJob, ...] = ()
-    flush: frozenset[int] = frozenset()
-    released_finished: bool = False
-    broke_deadlock: bool = False
-    load: StepLoad = _NO_LOAD
-    stopped: bool = False
+    __slots__ = (
+        "admitted",
+        "broke_deadlock",
+        "flush",
+        "load",
+        "loads",
+        "preempted",
+        "released_finished",
+        "scheduled",
+        "stopped",
+        "stores",
+    )
+
+    def __init__(self, scheduled: tuple[Scheduled, ...] = (), admitted: tuple[LiveRequest, ...] = (),
+                 preempted: tuple[LiveRequest, ...] = (), loads: tuple[TransferJob, ...] = (),
+                 stores: tuple[TransferJob, ...] = (), flush: frozenset[int] = frozenset(),
+                 released_finished: bool = False, broke_deadlock: bool = False, load: StepLoad = _NO_LOAD,
+                 stopped: bool = False) -> None:
+        self.scheduled = scheduled
+        self.admitted = admitted
+        self.preempted = preempted
+        self.loads = loads
+        self.stores = stores
+        self.flush = flush
+        self.released_finished = released_finished
+        self.broke_deadlock = broke_deadlock
+        self.load = load
+        self.stopped = stopped
 
     @property
     def prefill_tokens(self) -> int:
@@ -391,13 +427,15 @@ class StepPlan:
                     or self.flush or self.broke_deadlock)
 
 
-@dataclass(frozen=True, slots=True)
 class StepOutput:
-    """What :meth:`Scheduler.update_from_output` did."""
+    """What :meth:`Scheduler.update_from_output` did (read-only by convention, see
+    :class:`Admission`): the requests that finished, and the transfer completions applied."""
 
-    finished: tuple[LiveRequest, ...]
-    #: transfer completions applied
-    polled: int
+    __slots__ = ("finished", "polled")
+
+    def __init__(self, finished: tuple[LiveRequest, ...], polled: int) -> None:
+        self.finished = finished
+        self.polled = polled
 
 
 class ChunkRange(NamedTuple):
