@@ -217,6 +217,21 @@ def test_instructions_script_refuses_bad_arguments(argv: list[str], why: str):
     assert proc.stdout == ""
 
 
+def test_instructions_script_reads_which_modules_a_tree_compiles(tmp_path: Path) -> None:
+    """The script tells a stale or failed build from a commit that compiles other modules by
+    reading each tree's own module list (not importing it: the base is another commit)."""
+    from sim import _native
+
+    spec = importlib.util.spec_from_file_location("instructions", ROOT / "benchmarks" / "instructions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.native_modules(ROOT) == list(_native.NATIVE_MODULES)
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "_native.py").write_text('NATIVE_MODULES: tuple[str, ...] = ("sim.model.a",)\n')
+    assert module.native_modules(tmp_path) == ["sim.model.a"]
+
+
 def test_instructions_script_counts_both_codes_of_a_case():
     """The A/B by instruction counts (valgrind; no build with --sources): HEAD against the
     working tree on the default study's first requests, a figure for each and their ratio."""
