@@ -144,7 +144,6 @@ _TAG_SESSION = 0x7F4A7C15
 _TAG_START = 0x61C88647
 
 
-
 def _mix64(z: int) -> int:
     """splitmix64's finaliser: a bijection on 64-bit ints with good avalanche."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
